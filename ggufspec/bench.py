@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from .engine import GenerationSettings, SpeculativeEngine
 from .errors import GGUFSpecError
 from .sampling import SamplingParams
@@ -35,6 +37,8 @@ class BenchConfig:
     draft_max: int = 4
     draft_p_min: float = 0.0
     seed: int = 0
+    fresh: bool = False  # clear both KV caches before every run (no prefix reuse, same cell layout for all)
+    medusa_tree: str | None = None
 
 
 @dataclass
@@ -91,7 +95,10 @@ def run_bench(
                     settings = GenerationSettings(
                         max_tokens=cfg.max_tokens, sampling=SamplingParams(temperature=temp), method=method,
                         draft_max=cfg.draft_max, draft_p_min=cfg.draft_p_min, seed=cfg.seed + cfg.warmup + rep,
+                        medusa_tree=cfg.medusa_tree,
                     )
+                    if cfg.fresh:
+                        engine.reset()
                     text = [{"role": "user", "content": prompt.text}] if prompt.chat else prompt.text
                     result = engine.generate(text, settings)
                     if rep >= 0:
@@ -119,6 +126,7 @@ class Summary:
     engine_share: float
     engine_ms_per_token: float
     same_tokens_as_baseline: float | None
+    acceptance_by_position: list[float] = field(default_factory=list)
 
 
 def _pooled(runs: Iterable[Run]) -> dict[str, float]:
@@ -135,6 +143,16 @@ def _pooled(runs: Iterable[Run]) -> dict[str, float]:
         "draft": total["draft_seconds"] / secs, "target": total["target_seconds"] / secs, "engine": engine / secs,
         "engine_ms": 1000 * engine / max(1, total["generated_tokens"]),
     }
+
+
+def _by_position(runs: list[Run]) -> list[float]:
+    """Acceptance by draft position, pooled over runs: kept / judged at each position."""
+    n = max((len(r.stats["judged_at"]) for r in runs), default=0)
+    judged, kept = np.zeros(n), np.zeros(n)
+    for r in runs:
+        judged[: len(r.stats["judged_at"])] += r.stats["judged_at"]
+        kept[: len(r.stats["accepted_at"])] += r.stats["accepted_at"]
+    return (kept / np.maximum(judged, 1)).round(4).tolist()
 
 
 def summarize(runs: list[Run], baseline: str = "autoregressive") -> list[Summary]:
@@ -163,20 +181,22 @@ def summarize(runs: list[Run], baseline: str = "autoregressive") -> list[Summary
                     method, temp, cat, len({r.prompt for r in sel}), m["tps"],
                     m["tps"] / base_tps if base_tps else float("nan"), m["acc"], m["mal"], m["draft"], m["target"],
                     m["engine"], m["engine_ms"], same,
+                    _by_position([r for r in sel if r.method == method]),
                 ))
     return out
 
 
 def format_table(rows: list[Summary]) -> str:
     head = (f"{'temp':>4} {'category':<14} {'method':<15} {'n':>3} {'tok/s':>7} {'speedup':>7} {'accept':>7} "
-            f"{'tok/pass':>8} {'draft':>6} {'target':>6} {'engine':>6} {'eng ms/tok':>10} {'same':>5}")
+            f"{'tok/pass':>8} {'draft':>6} {'target':>6} {'engine':>6} {'eng ms/tok':>10} {'same':>5}  accept by position")
     lines = [head, "-" * len(head)]
     for r in rows:
         same = "" if r.same_tokens_as_baseline is None else f"{r.same_tokens_as_baseline:.0%}"
         lines.append(
             f"{r.temperature:>4.1f} {r.category:<14.14} {r.method:<15} {r.prompts:>3} {r.tokens_per_s:>7.2f} "
             f"{r.speedup:>6.2f}x {r.acceptance_rate:>7.1%} {r.mean_accepted_length:>8.2f} {r.draft_share:>6.0%} "
-            f"{r.target_share:>6.0%} {r.engine_share:>6.1%} {r.engine_ms_per_token:>10.3f} {same:>5}"
+            f"{r.target_share:>6.0%} {r.engine_share:>6.1%} {r.engine_ms_per_token:>10.3f} {same:>5}  "
+            + "/".join(f"{a:.0%}".rstrip("%") for a in r.acceptance_by_position)
         )
     return "\n".join(lines)
 

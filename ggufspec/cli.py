@@ -187,10 +187,17 @@ def _finish(result, show_stats: bool, as_json: bool) -> None:
 @click.option("--draft-max", type=click.IntRange(min=1), default=4, show_default=True)
 @click.option("--draft-p-min", type=click.FloatRange(0, 1), default=0.0, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--medusa", "medusa_path", type=click.Path(dir_okay=False), default=None,
+              help="Medusa heads GGUF for --method medusa.")
+@click.option("--tree", "medusa_tree", default=None, help="Medusa candidate tree (see `generate --help`).")
+@click.option("--fresh-context", "fresh", is_flag=True,
+              help="Empty the KV caches before every run: no prefix reuse, so every method sees the same KV layout.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="Write all runs and the summary as JSON.")
+@click.option("--plot", "plot_prefix", type=click.Path(dir_okay=False), default=None,
+              help="Write PREFIX-speedup.png and PREFIX-acceptance.png (needs matplotlib: pip install 'ggufspec[plot]').")
 @model_options
 def bench(target, draft, prompt_file, limit, methods, temps, max_tokens, repeats, warmup, draft_max, draft_p_min,
-          seed, output, **model_opts) -> None:
+          seed, medusa_path, medusa_tree, fresh, output, plot_prefix, **model_opts) -> None:
     """Compare methods side by side on a prompt set: tok/s, speedup, acceptance, time split."""
     from .bench import BenchConfig, format_table, load_prompts, run_bench, summarize, to_json
     from .engine import SpeculativeEngine
@@ -198,20 +205,33 @@ def bench(target, draft, prompt_file, limit, methods, temps, max_tokens, repeats
     methods = methods or (("autoregressive", "vanilla") if draft else ("autoregressive",))
     if "vanilla" in methods and draft is None:
         raise click.UsageError("--method vanilla needs a draft model: -d DRAFT.gguf")
+    if "medusa" in methods and medusa_path is None:
+        raise click.UsageError("--method medusa needs heads: --medusa HEADS.gguf")
+    if plot_prefix:
+        from .plots import pyplot
+
+        pyplot()  # fail before the benchmark, not after it
     cfg = BenchConfig(methods=tuple(methods), temperatures=tuple(temps) or (0.0,), max_tokens=max_tokens,
-                      repeats=repeats, warmup=warmup, draft_max=draft_max, draft_p_min=draft_p_min, seed=seed)
+                      repeats=repeats, warmup=warmup, draft_max=draft_max, draft_p_min=draft_p_min, seed=seed,
+                      fresh=fresh, medusa_tree=medusa_tree)
     prompts = load_prompts(prompt_file, limit)
-    with SpeculativeEngine.load(target, draft, decoder_options(**model_opts)) as engine:
+    with SpeculativeEngine.load(target, draft, decoder_options(**model_opts), medusa_path=medusa_path) as engine:
         total = len(prompts) * len(cfg.methods) * cfg.repeats * len(cfg.temperatures)
         with click.progressbar(length=total, label="benchmarking", file=sys.stderr) as bar:
             runs = run_bench(engine, prompts, cfg, bar.update)
     rows = summarize(runs)
     click.echo(format_table(rows))
     if output:
-        meta = {"target": str(target), "draft": str(draft) if draft else None, "prompts": str(prompt_file),
+        meta = {"target": str(target), "draft": str(draft) if draft else None, "medusa": medusa_path,
+                "prompts": str(prompt_file),
                 "threads": model_opts.get("threads")}
         Path(output).write_text(to_json(cfg, runs, rows, meta))
         click.echo(f"wrote {output}", err=True)
+    if plot_prefix:
+        from .plots import write_plots
+
+        for path in write_plots(rows, plot_prefix):
+            click.echo(f"wrote {path}", err=True)
 
 
 @main.command()

@@ -204,9 +204,7 @@ class SpeculativeEngine:
                 steps = speculative(target, *drafting, tokens[-1], limit, s.sampling, rng)
             reason = "length" if limit < s.max_tokens else "max_tokens"
             for step in steps:
-                stats.target_passes += 1
-                stats.drafted += step.drafted
-                stats.accepted += len(step.tokens) - 1 if step.drafted else 0
+                stats.record(step.drafted, len(step.tokens) - 1)
                 for tok in step.tokens:
                     if target.vocab.is_eog(tok) or tok in stop_ids:
                         reason = "stop"
@@ -245,6 +243,12 @@ class SpeculativeEngine:
             self._costs = cached_measure(self.target, draft, s.draft_max)
         drafter = LookupThenModel(lookup, model) if model is not None else lookup
         return drafter, AdaptiveLength(self._costs, s.draft_max)
+
+    def reset(self) -> None:
+        """Empty both KV caches: the next generation prefills from scratch (no prefix reuse)."""
+        for d in (self.target, self.draft):
+            if d is not None:
+                d.reset()
 
     def close(self) -> None:
         """Free both llama.cpp contexts."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass
@@ -18,6 +18,26 @@ class Stats:
     generation_seconds: float = 0.0
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
+    # [i]: passes whose draft position i was judged (drafted, all before it kept) / kept
+    judged_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """One target pass that verified `drafted` tokens and kept the first `accepted` of them."""
+        self.target_passes += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        judged = min(drafted, accepted + 1)
+        for counts, n in ((self.judged_at, judged), (self.accepted_at, accepted)):
+            counts.extend([0] * (n - len(counts)))
+            for i in range(n):
+                counts[i] += 1
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        """Chance that draft position i is kept, given that the target judged it."""
+        kept = self.accepted_at + [0] * (len(self.judged_at) - len(self.accepted_at))
+        return [a / j for a, j in zip(kept, self.judged_at)]
 
     @property
     def acceptance_rate(self) -> float:
@@ -43,7 +63,8 @@ class Stats:
 
     def to_dict(self) -> dict[str, float]:
         out = asdict(self)
-        for name in ("acceptance_rate", "mean_accepted_length", "prefill_tps", "generation_tps", "engine_seconds"):
+        for name in ("acceptance_rate", "mean_accepted_length", "prefill_tps", "generation_tps", "engine_seconds",
+                     "acceptance_by_position"):
             out[name] = getattr(self, name)
         return out
 
@@ -54,7 +75,8 @@ class Stats:
             f"{self.target_passes} target passes, {self.mean_accepted_length:.2f} tok/pass"
         )
         if self.drafted:
-            s += f" | acceptance {self.acceptance_rate:.1%} ({self.accepted}/{self.drafted})"
+            by_pos = "/".join(f"{a:.0%}".rstrip("%") for a in self.acceptance_by_position)
+            s += f" | acceptance {self.acceptance_rate:.1%} ({self.accepted}/{self.drafted}), by position {by_pos}%"
         t = self.generation_seconds or 1.0
         return s + (
             f" | time: target {self.target_seconds / t:.0%}, draft {self.draft_seconds / t:.0%}, "
