@@ -16,7 +16,7 @@ EXIT_INTERRUPTED = 130
 
 
 class Group(click.Group):
-    """Turns ggufspec's errors into one clear line on stderr and exit code 2."""
+    """Turns ggufspec's errors into one clear line on stderr and exit code 2, and Ctrl-C into one line and 130."""
 
     def invoke(self, ctx: click.Context):
         try:
@@ -24,6 +24,9 @@ class Group(click.Group):
         except GGUFSpecError as e:
             click.echo(f"error: {e}", err=True)
             ctx.exit(EXIT_BAD_INPUT)
+        except KeyboardInterrupt:  # click alone would print "Aborted!" and exit 1
+            click.echo("interrupted", err=True)
+            ctx.exit(EXIT_INTERRUPTED)
         except ValueError as e:  # settings dataclasses validate their values
             raise click.UsageError(str(e)) from None
 
