@@ -5,12 +5,15 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+import signal
+import sys
 import threading
 import time
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from gguf import GGMLQuantizationType, LlamaFileType
 
@@ -110,6 +113,37 @@ class _LogCapture:
             self._pending = ""
 
 
+@contextmanager
+def _sigint_ends_process(tmp: Path) -> Iterator[None]:
+    """While llama_model_quantize runs, Ctrl-C deletes `tmp` and ends the process with 130 (as Ctrl-C does).
+
+    The C call cannot be cancelled, and Python runs the SIGINT handler only inside llama.cpp's log callback, where
+    ctypes prints and drops the KeyboardInterrupt (the quantizer went on and the command exited 0), or after the call
+    returns, minutes later for a big model. Only when SIGINT has Python's default handler, on the main thread.
+    """
+    main = threading.current_thread() is threading.main_thread()
+    if not main or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        try:
+            tmp.unlink()  # llama.cpp may still hold it open: the data goes with the process
+        except OSError:
+            pass
+        try:
+            sys.stderr.write("\ninterrupted\n")
+            sys.stderr.flush()
+        finally:
+            os._exit(130)
+
+    signal.signal(signal.SIGINT, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def quantize(
     inp: Path,
     out: Path,
@@ -147,7 +181,7 @@ def quantize(
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     start = time.perf_counter()
     try:
-        with _LogCapture(progress) as log:
+        with _LogCapture(progress) as log, _sigint_ends_process(tmp):
             rc = llama_cpp.llama_model_quantize(str(inp).encode(), str(tmp).encode(), ctypes.byref(params))
         if rc != 0:
             detail = next((ln for ln in reversed(log.text) if "error" in ln.lower() or "failed" in ln.lower()), "")
