@@ -125,7 +125,8 @@ COMMANDS = [convert, quantize_cmd, inspect_cmd]
 
 
 def run_script(cmd: click.Command) -> None:
-    """Run one command as a standalone script, with the CLI's error handling: GGUFSpecError -> message, exit 2."""
+    """Run one command as a standalone script, with the CLI's error handling: GGUFSpecError -> message, exit 2;
+    Ctrl-C -> "interrupted", exit 130."""
     from ggufspec.errors import GGUFSpecError
 
     try:
@@ -133,9 +134,15 @@ def run_script(cmd: click.Command) -> None:
     except click.ClickException as e:
         e.show()
         sys.exit(e.exit_code)
-    except click.Abort:
+    except click.Abort as e:
+        if isinstance(e.__cause__, KeyboardInterrupt):  # click turns Ctrl-C into Abort
+            click.echo("interrupted", err=True)
+            sys.exit(130)
         click.echo("aborted", err=True)
         sys.exit(1)
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        sys.exit(130)
     except GGUFSpecError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
