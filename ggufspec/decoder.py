@@ -31,10 +31,13 @@ class Decoder(Protocol):
     n_vocab: int
     n_ctx: int
 
-    def feed(self, tokens: Sequence[int], all_logits: bool = True) -> np.ndarray:
-        """Decode `tokens` after the history in one pass; logits of every position (or the last), (n, V)."""
+    def feed(self, tokens: Sequence[int], all_logits: bool = True, view: bool = False) -> np.ndarray:
+        """Decode `tokens` after the history in one pass; logits of every position (or the last), (n, V).
 
-    def sync(self, tokens: Sequence[int]) -> np.ndarray:
+        view=True: a read-only view of llama.cpp's buffer, valid only until this decoder's next decode.
+        """
+
+    def sync(self, tokens: Sequence[int], view: bool = False) -> np.ndarray:
         """Make the history equal `tokens`, reusing the common prefix; logits after the last, (1, V)."""
 
     def rollback_to(self, n: int) -> None:
@@ -164,7 +167,7 @@ class LlamaCppDecoder:
 
     # --- decoding -------------------------------------------------------------------------
 
-    def feed(self, tokens: Sequence[int], all_logits: bool = True) -> np.ndarray:
+    def feed(self, tokens: Sequence[int], all_logits: bool = True, view: bool = False) -> np.ndarray:
         n = len(tokens)
         if n == 0:
             raise ValueError("feed needs at least one token")
@@ -181,7 +184,7 @@ class LlamaCppDecoder:
             last_chunk = start + step >= n
             self._decode(chunk, all_logits)
             if all_logits or last_chunk:
-                rows.append(self._logits(len(chunk) if all_logits else 1))
+                rows.append(self._logits(len(chunk) if all_logits else 1, view and last_chunk))
         return rows[0] if len(rows) == 1 else np.concatenate(rows)
 
     def _decode(self, tokens: Sequence[int], all_logits: bool) -> None:
@@ -198,17 +201,21 @@ class LlamaCppDecoder:
         self._n_out = len(tokens) if all_logits else 1
         self._tree = None
 
-    def _logits(self, n_rows: int) -> np.ndarray:
+    def _logits(self, n_rows: int, view: bool = False) -> np.ndarray:
         ptr = llama_cpp.llama_get_logits(self._ctx)
-        return np.ctypeslib.as_array(ptr, shape=(n_rows, self.n_vocab)).copy()
+        rows = np.ctypeslib.as_array(ptr, shape=(n_rows, self.n_vocab))
+        if not view:
+            return rows.copy()
+        rows.flags.writeable = False  # llama.cpp's buffer: readers only
+        return rows
 
-    def sync(self, tokens: Sequence[int]) -> np.ndarray:
+    def sync(self, tokens: Sequence[int], view: bool = False) -> np.ndarray:
         tokens = list(tokens)
         if not tokens:
             raise ValueError("sync needs at least one token")
         keep = min(common_prefix(self.history, tokens), len(tokens) - 1)  # re-decode one token for its logits
         self.rollback_to(keep)
-        return self.feed(tokens[keep:], all_logits=False)
+        return self.feed(tokens[keep:], all_logits=False, view=view)
 
     def shift(self, room: int) -> None:
         """Context shift: drop the older half of the history after its first `shift_keep` tokens (at

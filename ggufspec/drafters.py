@@ -28,7 +28,7 @@ class ModelDrafter:
         self.draft, self.n_vocab, self.p_min = draft, n_vocab, p_min
 
     def propose(self, context, k, params, rng):
-        logits = self.draft.sync(context)[-1, : self.n_vocab]
+        logits = self.draft.sync(context, view=True)[-1, : self.n_vocab]
         tokens: list[int] = []
         qs: list[np.ndarray] = []
         while True:
@@ -39,7 +39,7 @@ class ModelDrafter:
                 tokens.append(sample(qs[-1], rng))
             if len(tokens) == k or (self.p_min > 0 and softmax(logits).max() < self.p_min):
                 break
-            logits = self.draft.feed([tokens[-1]])[-1, : self.n_vocab]
+            logits = self.draft.feed([tokens[-1]], view=True)[-1, : self.n_vocab]
         return tokens, np.stack(qs) if qs else None
 
 

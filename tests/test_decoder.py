@@ -36,6 +36,19 @@ def test_verify_rows_equal_single_decodes(model, atol, request) -> None:
     np.testing.assert_allclose(rows, _linear_logits(path, tokens), atol=atol, rtol=0)
 
 
+def test_logits_view_is_read_only_and_equals_the_copy(tiny_target) -> None:
+    with open_decoder(tiny_target) as d:
+        tokens = d.vocab.tokenize(PROMPT)
+        copied = d.feed(tokens[:4])
+        d.rollback_to(0)
+        view = d.feed(tokens[:4], view=True)
+        np.testing.assert_array_equal(view, copied)
+        with pytest.raises(ValueError):
+            view[0, 0] = 1.0
+        d.feed(tokens[4:5])  # the next decode owns the buffer: a view follows it, a copy does not
+        assert not np.array_equal(view[0], copied[0])
+
+
 def test_rollback_then_next_logits_equal_fresh_context(tiny_target) -> None:
     rng = np.random.default_rng(0)
     with open_decoder(tiny_target) as d:

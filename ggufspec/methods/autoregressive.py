@@ -16,5 +16,5 @@ def autoregressive(
 ) -> Iterator[Step]:
     """Yield one token per target pass, at most `limit`; `last` is not yet decoded."""
     for _ in range(limit):
-        last = pick(target.feed([last])[-1], params, rng)
+        last = pick(target.feed([last], view=True)[-1], params, rng)
         yield Step([last], 0)

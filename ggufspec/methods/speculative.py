@@ -63,7 +63,7 @@ def speculative(
     while limit > 0:
         k = min(length.choose(), limit - 1)
         drafts, q = drafter.propose(target.history + [last], k, params, rng) if k > 0 else ([], None)
-        logits = target.feed([last, *drafts])
+        logits = target.feed([last, *drafts], view=True)
         if not drafts:
             new = [pick(logits[-1], params, rng)]
         elif params.greedy:
