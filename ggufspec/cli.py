@@ -90,6 +90,11 @@ def decoder_options(n_ctx, n_batch, threads, threads_batch, n_gpu_layers, no_mma
               help="Medusa heads GGUF trained for this target (`ggufspec medusa train`, `ggufspec convert medusa`).")
 @click.option("--tree", "medusa_tree", default=None,
               help="Medusa candidate tree: mc_sim_7b_63 (default), mc_sim_31, mc_sim_15, chain_4, or a JSON file of choices.")
+@click.option("--medusa-vocab", "medusa_vocab", metavar="N|FILE", default=None,
+              help="Medusa heads propose only from a restricted candidate vocabulary: the N lowest token ids (BPE ids "
+                   "follow merge order, roughly frequency) or the ids in FILE (JSON list, or integers separated by "
+                   "spaces/commas/newlines); the target's special tokens always stay in. Much cheaper heads; output "
+                   "unchanged (the target verifies), only acceptance may drop. Default: the whole vocabulary.")
 @click.option("--typical", is_flag=True,
               help="Medusa at --temp > 0: typical acceptance (threshold 0.09, alpha 0.3), faster but NOT exact: the text "
                    "no longer follows the target's sampling distribution. Without it Medusa samples exactly; at --temp 0 it is greedy.")
@@ -103,7 +108,7 @@ def decoder_options(n_ctx, n_batch, threads, threads_batch, n_gpu_layers, no_mma
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, tokens, stats) instead of streaming.")
 @model_options
 def generate(prompt, target, draft, preset, method, max_tokens, temp, top_k, top_p, min_p, seed, draft_max, draft_p_min,
-             medusa_path, medusa_tree, typical, chat, system, stop, truncate_prompt, context_shift, show_stats,
+             medusa_path, medusa_tree, medusa_vocab, typical, chat, system, stop, truncate_prompt, context_shift, show_stats,
              as_json, **model_opts) -> None:
     """Generate text from PROMPT (`-` reads standard input)."""
     from .engine import GenerationSettings, SpeculativeEngine
@@ -121,6 +126,10 @@ def generate(prompt, target, draft, preset, method, max_tokens, temp, top_k, top
         raise click.UsageError("--method vanilla needs a draft model: -d DRAFT.gguf")
     if method == "medusa" and medusa_path is None:
         raise click.UsageError("--method medusa needs heads: --medusa HEADS.gguf")
+    if medusa_vocab is not None and medusa_path is None:
+        raise click.UsageError("--medusa-vocab restricts Medusa heads: give them with --medusa HEADS.gguf")
+    if medusa_vocab is not None and medusa_vocab.strip().lstrip("+-").isdigit():
+        medusa_vocab = int(medusa_vocab)
     settings = GenerationSettings(
         max_tokens=max_tokens, sampling=SamplingParams(temp, top_k, top_p, min_p), method=method,
         draft_max=draft_max, draft_p_min=draft_p_min, seed=seed, stop=tuple(stop), truncate_prompt=truncate_prompt,
@@ -130,7 +139,7 @@ def generate(prompt, target, draft, preset, method, max_tokens, temp, top_k, top
     messages = None
     if chat or system is not None:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    engine = SpeculativeEngine.load(target, draft, options, settings, medusa_path=medusa_path)
+    engine = SpeculativeEngine.load(target, draft, options, settings, medusa_path=medusa_path, medusa_vocab=medusa_vocab)
     try:
         try:
             for piece in engine.stream(messages or prompt):

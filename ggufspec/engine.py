@@ -20,7 +20,7 @@ from .errors import ContextLengthError, GGUFSpecError
 from .gguf_check import read_header
 from .memory import check_memory
 from .methods import METHODS, Step
-from .medusa_heads import Heads, medusa_decoder_options
+from .medusa_heads import Heads, medusa_decoder_options, special_ids
 from .medusa_trees import load_tree
 from .methods.autoregressive import autoregressive
 from .methods.medusa import medusa
@@ -96,6 +96,7 @@ class SpeculativeEngine:
         cls, target_path: str | os.PathLike, draft_path: str | os.PathLike | None = None,
         options: DecoderOptions | None = None, settings: GenerationSettings | None = None,
         medusa_path: str | os.PathLike | None = None,
+        medusa_vocab: int | str | os.PathLike | None = None,  # Medusa candidates: the N lowest ids or a file of ids
     ) -> SpeculativeEngine:
         """Open the GGUF files (checked first, and their RAM needs together) and pair them; Medusa heads if given."""
         options = options or DecoderOptions()
@@ -112,7 +113,8 @@ class SpeculativeEngine:
                 draft = LlamaCppDecoder(draft_path, options)
             engine = cls(target, draft, settings)
             if medusa_path is not None:
-                engine.medusa = Heads.load(medusa_path, target.path, target.n_embd, target.n_vocab)
+                engine.medusa = Heads.load(medusa_path, target.path, target.n_embd, target.n_vocab,
+                                           medusa_vocab, special_ids(target.vocab) if medusa_vocab is not None else ())
             return engine
         except BaseException:
             target.close()

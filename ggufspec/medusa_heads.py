@@ -3,10 +3,19 @@
 Head i: x = ResBlock_{L-1}(...ResBlock_0(h)), ResBlock(x) = x + SiLU(W x + b); logits_i = LM_i x, where
 LM_i is the head's own LM head (v1) or the target's output matrix (v2). Weights may be stored as f16 or
 q8_0 in the GGUF; they are dequantized once to float32, so every product runs in BLAS with f32 sums.
+
+A restricted candidate vocabulary (`candidates`: the N lowest ids, or a file of ids) keeps only those
+rows of the LM heads, sliced once at load: each step multiplies by H x N instead of H x V, and the
+top-k are mapped back to real token ids. The target's special/control tokens always stay in the set.
+Exactness does not depend on it (the target verifies every proposal); only acceptance can drop.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import re
+from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,9 +24,15 @@ from gguf import GGUFReader, quants
 
 from .convert.medusa import MedusaHeads, load_medusa_gguf
 from .decoder import DecoderOptions
-from .errors import ModelFileError
+from .errors import GGUFSpecError, ModelFileError
 
 TREE_SEQUENCES = 64  # n_seq_max for Medusa contexts: trees of up to 63 leaves (the 63-node tree has 42)
+
+Candidates = int | str | os.PathLike  # a restricted candidate vocabulary: N (the N lowest ids) or a file of ids
+
+
+class CandidateVocabError(GGUFSpecError):
+    """A restricted Medusa candidate vocabulary is out of range, unreadable or malformed."""
 
 
 def medusa_decoder_options(options: DecoderOptions) -> DecoderOptions:
@@ -40,29 +55,100 @@ def target_lm_head(target_path: str | Path) -> np.ndarray:
     return np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
 
 
-class Heads:
-    """A Medusa head set ready to propose: ResBlocks stacked per layer, LM heads as [H, V] float32."""
+def special_ids(vocab) -> set[int]:
+    """Ids the target may emit that a restricted candidate set must keep: end-of-generation and control tokens."""
+    import llama_cpp
 
-    def __init__(self, heads: MedusaHeads, lm_head: np.ndarray | None = None) -> None:
+    control = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL
+    return set(vocab.eog_ids) | {t for t in range(vocab.n_tokens) if vocab.attr(t) & control}
+
+
+def candidate_ids(candidates: Candidates | None, n_vocab: int, keep: Iterable[int] = ()) -> np.ndarray | None:
+    """Sorted token ids the heads may propose (plus `keep`), or None for the whole vocabulary.
+
+    `candidates` is N (ids 0..N-1: BPE vocabularies are numbered in merge order, roughly by frequency)
+    or a file of ids: a JSON list, or integers separated by whitespace or commas (`#` starts a comment).
+    """
+    if candidates is None:
+        return None
+    if isinstance(candidates, bool):
+        raise CandidateVocabError(f"Medusa candidate vocabulary: expected a token count or a file, got {candidates!r}")
+    if isinstance(candidates, (int, np.integer)):
+        n = int(candidates)
+        if not 1 <= n <= n_vocab:
+            raise CandidateVocabError(
+                f"Medusa candidate vocabulary of {n} tokens: give 1..{n_vocab} (the target's vocabulary size)")
+        ids = np.arange(n, dtype=np.int64)
+    else:
+        ids = _read_ids(Path(candidates), n_vocab)
+    extra = np.array(sorted(k for k in keep if 0 <= k < n_vocab), dtype=np.int64)
+    ids = np.union1d(ids, extra)
+    return None if len(ids) == n_vocab else ids
+
+
+def _read_ids(path: Path, n_vocab: int) -> np.ndarray:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise CandidateVocabError(f"{path}: cannot read the Medusa candidate vocabulary file ({e})") from e
+    if text.lstrip().startswith("["):
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise CandidateVocabError(f"{path}: not a JSON list of token ids ({e})") from e
+        if not isinstance(values, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            raise CandidateVocabError(f"{path}: expected a JSON list of integer token ids")
+    else:
+        words = [w for line in text.splitlines() for w in re.split(r"[\s,]+", line.split("#", 1)[0]) if w]
+        bad = [w for w in words if not re.fullmatch(r"[+-]?\d+", w)]
+        if bad:
+            raise CandidateVocabError(f"{path}: not a token id: {bad[0]!r} (expected integers separated by whitespace or commas)")
+        values = [int(w) for w in words]
+    if not values:
+        raise CandidateVocabError(f"{path}: holds no token ids")
+    out = [v for v in values if not 0 <= v < n_vocab]
+    if out:
+        raise CandidateVocabError(f"{path}: token id {out[0]} is outside the target's vocabulary 0..{n_vocab - 1}")
+    return np.unique(np.asarray(values, dtype=np.int64))
+
+
+class Heads:
+    """A Medusa head set ready to propose: ResBlocks stacked per layer, LM heads as [H, V] float32.
+
+    `ids` (sorted token ids, or None for all): the candidate vocabulary; only those LM-head rows are kept.
+    """
+
+    def __init__(self, heads: MedusaHeads, lm_head: np.ndarray | None = None, ids: np.ndarray | None = None) -> None:
         self.n_heads, self.hidden, self.version = heads.heads, heads.hidden, heads.version
         layers = len(heads.res[0])
         # w[j]: [heads, H, H] for ResBlock j of every head; layer 0 also as one [heads*H, H] matrix.
         self.w = [np.stack([heads.res[i][j][0] for i in range(self.n_heads)]).astype(np.float32) for j in range(layers)]
         self.b = [np.stack([heads.res[i][j][1] for i in range(self.n_heads)]).astype(np.float32) for j in range(layers)]
         self.w0_t = np.ascontiguousarray(self.w[0].reshape(-1, self.hidden).T) if layers else None
+        self.ids = None if ids is None else np.asarray(ids, dtype=np.int64)
+        rows = slice(None) if self.ids is None else self.ids
         if heads.lm_heads is not None:
-            self.lm_t = np.stack([np.ascontiguousarray(m.T, dtype=np.float32) for m in heads.lm_heads])  # [heads, H, V]
+            self.vocab = heads.lm_heads[0].shape[0]
+            # [heads, H, N]: the candidates' rows only
+            self.lm_t = np.stack([np.ascontiguousarray(np.asarray(m)[rows].T, dtype=np.float32) for m in heads.lm_heads])
             self.shared_lm_t = None
         else:
             if lm_head is None:
                 raise ValueError("version 2 Medusa heads use the target's LM head: pass lm_head")
+            self.vocab = lm_head.shape[0]
             self.lm_t = None
-            self.shared_lm_t = np.ascontiguousarray(lm_head.T, dtype=np.float32)  # [H, V]
-        self.vocab = (self.lm_t if self.lm_t is not None else self.shared_lm_t).shape[-1]
+            self.shared_lm_t = np.ascontiguousarray(np.asarray(lm_head)[rows].T, dtype=np.float32)  # [H, N]
+        self.n_candidates = self.vocab if self.ids is None else len(self.ids)
 
     @classmethod
-    def load(cls, path: str | Path, target_path: str | Path, n_embd: int, n_vocab: int) -> Heads:
-        """Load a Medusa GGUF for a target; ModelFileError when its sizes don't match the target's."""
+    def load(cls, path: str | Path, target_path: str | Path, n_embd: int, n_vocab: int,
+             candidates: Candidates | None = None, keep: Iterable[int] = ()) -> Heads:
+        """Load a Medusa GGUF for a target; ModelFileError when its sizes don't match the target's.
+
+        `candidates`: restrict proposals to the N lowest ids or to a file's ids, plus `keep` (the target's
+        special ids, see `special_ids`); CandidateVocabError when out of range or malformed.
+        """
+        ids = candidate_ids(candidates, n_vocab, keep)
         raw = load_medusa_gguf(Path(path))
         if raw.heads == 0:
             raise ModelFileError(f"{path}: holds no Medusa heads")
@@ -79,7 +165,7 @@ class Heads:
         lm = target_lm_head(target_path) if raw.lm_heads is None else None
         if lm is not None and lm.shape != (n_vocab, n_embd):
             raise ModelFileError(f"{target_path}: output matrix has shape {list(lm.shape)}, expected {[n_vocab, n_embd]}")
-        return cls(raw, lm)
+        return cls(raw, lm, ids)
 
     def states(self, h: np.ndarray) -> np.ndarray:
         """Every head's output hidden state [heads, H] for one base hidden state h [H]."""
@@ -94,17 +180,27 @@ class Heads:
         return x
 
     def logits(self, h: np.ndarray, n: int | None = None) -> np.ndarray:
-        """The first n (default all) heads' logits [n, V] for one base hidden state h [H]."""
+        """The first n (default all) heads' logits [n, N] for one base hidden state h [H]: one column per
+        candidate (`ids`), i.e. [n, V] without a restricted vocabulary."""
         x = self.states(h)[:n]
         if self.shared_lm_t is not None:
             return x @ self.shared_lm_t
         return np.matmul(x[:, None, :], self.lm_t[:n])[:, 0, :]
 
+    def check_top_k(self, ks: tuple[int, ...]) -> None:
+        """CandidateVocabError when a tree asks a head for more tokens than the candidate vocabulary holds."""
+        if max(ks, default=0) > self.n_candidates:
+            raise CandidateVocabError(
+                f"the Medusa tree takes the top {max(ks)} tokens of a head, but the candidate vocabulary holds only "
+                f"{self.n_candidates}: give more candidates (--medusa-vocab) or a smaller tree")
+
     def top_k(self, h: np.ndarray, ks: tuple[int, ...]) -> list[np.ndarray]:
-        """Head i's ks[i] best tokens, best first (argpartition, then a sort of those k only)."""
+        """Head i's ks[i] best token ids, best first (argpartition, then a sort of those k only)."""
+        self.check_top_k(ks)
         logits = self.logits(h, len(ks))
         out = []
         for row, k in zip(logits, ks):
             part = np.argpartition(row, -k)[-k:]
-            out.append(part[np.argsort(-row[part], kind="stable")])
+            best = part[np.argsort(-row[part], kind="stable")]
+            out.append(best if self.ids is None else self.ids[best])
         return out

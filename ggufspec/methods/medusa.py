@@ -72,6 +72,7 @@ def medusa(
     """
     if tree.n_heads > heads.n_heads:
         tree = tree.truncated(heads.n_heads)  # a tree deeper than the head set: its extra levels can't be filled
+    heads.check_top_k(tree.top_k)  # before any token: a restricted candidate vocabulary may be too small
     # First pass: `last` alone, for the hidden state the heads start from.
     logits = target.feed([last])
     h = target.hidden_states()[-1]
