@@ -7,7 +7,10 @@ tokens is accepted (d tokens) plus the target's own token: d + 1 tokens per pass
 the last prompt token alone (1 token), as `ggufspec.methods.medusa` does.
 
     python eval_acceptance.py TARGET.gguf HEADS.gguf [--prompts spec_bench_dev.jsonl] [--per-category 3]
-        [--max-new 128] [--tree mc_sim_7b_63] [--data greedy.npz]
+        [--max-new 128] [--tree mc_sim_7b_63] [--data greedy.npz] [--vocab full --vocab 8192 ...]
+
+--vocab (repeatable): restricted candidate vocabularies to compare (N lowest ids, or a file of ids, plus the
+target's special tokens; `full` is the whole vocabulary); "in set" is the share of answer tokens they hold.
 
 The greedy answers and their hidden states are collected with llama.cpp (cached in --data).
 """
@@ -19,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ggufspec.medusa_heads import Heads
+from ggufspec.medusa_heads import Heads, candidate_ids, special_ids
 from ggufspec.medusa_train import Corpus, chat_tokens, collect_generations, open_for_collection
 from ggufspec.medusa_trees import load_tree
 
@@ -53,6 +56,7 @@ def main() -> None:
     ap.add_argument("--tree", default="mc_sim_7b_63")
     ap.add_argument("--data", default=None, help="cache of the greedy answers (.npz)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--vocab", action="append", default=None, help="full, N, or a file of ids (repeatable)")
     a = ap.parse_args()
     rows = [json.loads(line) for line in open(a.prompts, encoding="utf-8") if line.strip()]
     by_cat = collections.defaultdict(list)
@@ -70,22 +74,30 @@ def main() -> None:
         print(f"collected {corpus.n_tokens} greedy tokens in {time.perf_counter() - t0:.0f} s")
         if a.data:
             corpus.save(Path(a.data))
-    heads = Heads.load(a.heads, a.target, target.n_embd, target.n_vocab)
-    tree = load_tree(a.tree)
-    if tree.n_heads > heads.n_heads:
-        tree = tree.truncated(heads.n_heads)
+    keep = special_ids(target.vocab)
     eog = set(target.vocab.eog_ids)
-    stats = collections.defaultdict(lambda: [0, 0])
-    for cat, toks, hid in zip(cats, corpus.tokens, corpus.hidden):
-        n, p = passes_on(toks, hid, heads, tree, eog)
-        stats[cat][0] += n
-        stats[cat][1] += p
-    print(f"{'category':<16}{'prompts':>8}{'tokens':>8}{'passes':>8}{'tok/pass':>10}")
-    for cat in by_cat:
-        n, p = stats[cat]
-        print(f"{cat:<16}{cats.count(cat):>8}{n:>8}{p:>8}{n / max(p, 1):>10.2f}")
-    n, p = (sum(v[i] for v in stats.values()) for i in (0, 1))
-    print(f"{'all':<16}{len(cats):>8}{n:>8}{p:>8}{n / max(p, 1):>10.2f}   (tree {a.tree}, {heads.n_heads} heads)")
+    tree = load_tree(a.tree)
+    for spec in a.vocab or ["full"]:
+        cand = None if spec == "full" else int(spec) if spec.isdigit() else spec
+        heads = Heads.load(a.heads, a.target, target.n_embd, target.n_vocab, cand, keep if cand is not None else ())
+        t = tree.truncated(heads.n_heads) if tree.n_heads > heads.n_heads else tree
+        ids = candidate_ids(cand, target.n_vocab, keep)
+        stats = collections.defaultdict(lambda: [0, 0, 0])
+        for cat, toks, hid in zip(cats, corpus.tokens, corpus.hidden):
+            n, p = passes_on(toks, hid, heads, t, eog)
+            stats[cat][0] += n
+            stats[cat][1] += p
+            stats[cat][2] += len(toks) if ids is None else int(np.isin(toks, ids).sum())
+        print(f"\ncandidate vocabulary: {spec} ({heads.n_candidates} of {heads.vocab} tokens)")
+        print(f"{'category':<16}{'prompts':>8}{'tokens':>8}{'passes':>8}{'tok/pass':>10}{'in set':>8}")
+        for cat in by_cat:
+            n, p, k = stats[cat]
+            m = sum(len(toks) for c, toks in zip(cats, corpus.tokens) if c == cat)
+            print(f"{cat:<16}{cats.count(cat):>8}{n:>8}{p:>8}{n / max(p, 1):>10.2f}{k / max(m, 1):>8.1%}")
+        n, p, k = (sum(v[i] for v in stats.values()) for i in (0, 1, 2))
+        m = sum(len(toks) for toks in corpus.tokens)
+        print(f"{'all':<16}{len(cats):>8}{n:>8}{p:>8}{n / max(p, 1):>10.2f}{k / max(m, 1):>8.1%}"
+              f"   (tree {a.tree}, {heads.n_heads} heads)")
 
 
 if __name__ == "__main__":

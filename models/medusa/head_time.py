@@ -3,6 +3,8 @@
 
     python head_time.py TARGET.gguf --heads HEADS.gguf         # a real head set for this target
     python head_time.py TARGET.gguf --random 5,4096,32000,1    # random heads: count,hidden,vocab,version
+    python head_time.py TARGET.gguf --heads HEADS.gguf --vocab full --vocab 8192 --vocab 16384
+                                                               # restricted candidate vocabularies, interleaved
 
 Heads and decodes alternate in one process (this machine is shared: only ratios within a run mean much);
 medians over --repeats.
@@ -13,8 +15,8 @@ import time
 import numpy as np
 
 from ggufspec.convert.medusa import MedusaHeads
-from ggufspec.decoder import DecoderOptions, LlamaCppDecoder
-from ggufspec.medusa_heads import Heads
+from ggufspec.decoder import DecoderOptions, LlamaCppDecoder, default_threads
+from ggufspec.medusa_heads import Heads, candidate_ids, special_ids
 from ggufspec.medusa_trees import load_tree
 
 
@@ -27,6 +29,13 @@ def random_heads(n: int, hidden: int, vocab: int, version: int) -> Heads:
     return Heads(raw, None if lm else rng.standard_normal((vocab, hidden), dtype=np.float32))
 
 
+def restricted(heads: Heads, raw: MedusaHeads, lm: np.ndarray | None, spec: str, keep: set[int]) -> Heads:
+    """The same heads proposing from `spec` ('full', N, or a file of ids)."""
+    if spec == "full":
+        return heads
+    return Heads(raw, lm, candidate_ids(int(spec) if spec.isdigit() else spec, heads.vocab, keep))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("target")
@@ -35,28 +44,44 @@ def main() -> None:
     ap.add_argument("--tree", default="mc_sim_7b_63")
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--vocab", action="append", default=None,
+                    help="candidate vocabulary to time: full, N, or a file of ids (repeatable; timed in turn)")
     a = ap.parse_args()
     d = LlamaCppDecoder(a.target, DecoderOptions(n_ctx=512, n_threads=a.threads))
     if a.heads:
         heads = Heads.load(a.heads, a.target, d.n_embd, d.n_vocab)
+        from ggufspec.convert.medusa import load_medusa_gguf
+        from ggufspec.medusa_heads import target_lm_head
+        raw = load_medusa_gguf(a.heads)
+        lm = target_lm_head(a.target) if raw.lm_heads is None else None
     else:
         heads = random_heads(*(int(v) for v in a.random.split(",")))
+        raw, lm = None, None
+    specs = a.vocab or ["full"]
+    if specs != ["full"] and raw is None:
+        ap.error("--vocab needs --heads")
+    keep = special_ids(d.vocab)
+    sets = [restricted(heads, raw, lm, v, keep) for v in specs]
     tree = load_tree(a.tree)
     ks = tree.top_k[: heads.n_heads]
     h = np.random.default_rng(1).standard_normal(heads.hidden).astype(np.float32)
     d.feed([1, 2, 3, 4])
-    t_heads, t_dec = [], []
+    t_heads, t_dec = [[] for _ in sets], []
     for _ in range(a.repeats):
-        t = time.perf_counter()
-        heads.top_k(h, ks)
-        t_heads.append(time.perf_counter() - t)
+        for s, times in zip(sets, t_heads):
+            t = time.perf_counter()
+            s.top_k(h, ks)
+            times.append(time.perf_counter() - t)
         t = time.perf_counter()
         d.feed([5])
         t_dec.append(time.perf_counter() - t)
         d.rollback_to(4)
-    mh, md = np.median(t_heads) * 1e3, np.median(t_dec) * 1e3
-    print(f"heads ({heads.n_heads} x hidden {heads.hidden}, vocab {heads.vocab}, v{heads.version}, top-k {ks}): "
-          f"{mh:.1f} ms | one target decode ({a.target}): {md:.1f} ms | fraction {mh / md:.2f}")
+    md = np.median(t_dec) * 1e3
+    print(f"one target decode ({a.target}, {d.options.n_threads or default_threads()} threads): {md:.2f} ms (median of {a.repeats})")
+    for spec, s, times in zip(specs, sets, t_heads):
+        mh = np.median(times) * 1e3
+        print(f"heads ({s.n_heads} x hidden {s.hidden}, {s.n_candidates} of {s.vocab} tokens ({spec}), v{s.version}, "
+              f"top-k {ks}): {mh:.2f} ms | fraction of a decode {mh / md:.3f}")
 
 
 if __name__ == "__main__":
