@@ -119,7 +119,8 @@ def generate(prompt, target, draft, preset, method, max_tokens, temp, top_k, top
     if not prompt.strip():
         raise click.UsageError("the prompt is empty.")
     if target is None:
-        target, draft, draft_max = _from_preset(preset or "demo", draft, method, draft_max)
+        target, draft, medusa_path, method, draft_max = _from_preset(preset or "demo", draft, medusa_path, method,
+                                                                     draft_max)
     elif preset is not None:
         raise click.UsageError("give either --preset NAME or -m TARGET.gguf, not both.")
     if method == "vanilla" and draft is None:
@@ -154,8 +155,9 @@ def generate(prompt, target, draft, preset, method, max_tokens, temp, top_k, top
         engine.close()
 
 
-def _from_preset(name: str, draft: str | None, method: str | None, draft_max: int) -> tuple[str, str | None, int]:
-    """Target, draft and draft length of a preset (fetched as needed); -d and --draft-max given by the user win."""
+def _from_preset(name: str, draft: str | None, medusa: str | None, method: str | None, draft_max: int
+                 ) -> tuple[str, str | None, str | None, str, int]:
+    """Target, draft, heads, method and draft length of a preset (fetched as needed); what the user gave wins."""
     from .hub import get_preset, resolve
 
     p = get_preset(name)
@@ -164,9 +166,12 @@ def _from_preset(name: str, draft: str | None, method: str | None, draft_max: in
     r = resolve(p)
     if click.get_current_context().get_parameter_source("draft_max") == click.core.ParameterSource.DEFAULT:
         draft_max = p.draft_max
-    if draft is None and method != "autoregressive" and r.draft is not None:
+    method = method or p.method
+    if draft is None and method in ("vanilla", "auto") and r.draft is not None:
         draft = str(r.draft)
-    return str(r.target), draft, draft_max
+    if medusa is None and method == "medusa" and r.medusa is not None:
+        medusa = str(r.medusa)
+    return str(r.target), draft, medusa, method, draft_max
 
 
 def _finish(result, show_stats: bool, as_json: bool) -> None:

@@ -190,3 +190,13 @@ def test_generate_with_no_model_runs_the_offline_demo(env, tmp_path, smollm2_pat
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["stats"]["drafted"] > 0 and len(out["tokens"]) > 0
+
+
+def test_demo_medusa_preset_runs_medusa_offline(env, tmp_path, smollm2_path):
+    (tmp_path / "gg" / "models").mkdir(parents=True)
+    (tmp_path / "gg" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf").symlink_to(smollm2_path)
+    r = run(env, "generate", "--preset", "demo-medusa", "def fibonacci(n):", "-n", "16", "--json", "-c", "256")
+    assert r.returncode == 0, r.stderr
+    stats = json.loads(r.stdout)["stats"]
+    # no draft model in this preset: drafted tokens can only come from the heads' tree (n_heads per pass)
+    assert stats["drafted"] > 0 and stats["drafted"] % (stats["target_passes"] - 1) == 0
