@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -54,8 +55,11 @@ class Run:
     stats: dict[str, float]
 
 
-def load_prompts(path: str | Path, limit: int | None = None) -> list[BenchPrompt]:
-    """JSONL with `turns` (Spec-Bench: first turn, chat) or `prompt` (HumanEval: completion), or text lines."""
+def load_prompts(path: str | Path, limit: int | None = None, per_category: int | None = None) -> list[BenchPrompt]:
+    """JSONL with `turns` (Spec-Bench: first turn, chat) or `prompt` (HumanEval: completion), or text lines.
+
+    per_category keeps the first N prompts of each category; limit then keeps the first N of those.
+    """
     p = Path(path)
     if not p.is_file():
         raise GGUFSpecError(f"{p}: no such prompt file.")
@@ -79,6 +83,14 @@ def load_prompts(path: str | Path, limit: int | None = None) -> list[BenchPrompt
             out.append(BenchPrompt(str(i), p.stem, line, False))
     if not out:
         raise GGUFSpecError(f"{p}: no prompts in it.")
+    if per_category:
+        seen: Counter[str] = Counter()
+        kept = []
+        for b in out:
+            seen[b.category] += 1
+            if seen[b.category] <= per_category:
+                kept.append(b)
+        out = kept
     return out[:limit] if limit else out
 
 

@@ -195,6 +195,8 @@ def _finish(result, show_stats: bool, as_json: bool) -> None:
 @click.option("-p", "--prompts", "prompt_file", required=True, type=click.Path(dir_okay=False),
               help="JSONL (Spec-Bench `turns` or HumanEval `prompt`) or a text file, one prompt a line.")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="Use the first N prompts.")
+@click.option("--per-category", type=click.IntRange(min=1), default=None,
+              help="Use the first N prompts of each category (before --limit).")
 @click.option("--method", "methods", multiple=True, type=click.Choice(METHODS),
               help="Methods to compare (repeatable; default: autoregressive and, with a draft, vanilla).")
 @click.option("--temp", "temps", multiple=True, type=click.FloatRange(min=0), help="Temperatures (repeatable; default 0).")
@@ -213,7 +215,7 @@ def _finish(result, show_stats: bool, as_json: bool) -> None:
 @click.option("--plot", "plot_prefix", type=click.Path(dir_okay=False), default=None,
               help="Write PREFIX-speedup.png and PREFIX-acceptance.png (needs matplotlib: pip install 'ggufspec[plot]').")
 @model_options
-def bench(target, draft, prompt_file, limit, methods, temps, max_tokens, repeats, warmup, draft_max, draft_p_min,
+def bench(target, draft, prompt_file, limit, per_category, methods, temps, max_tokens, repeats, warmup, draft_max, draft_p_min,
           seed, medusa_path, medusa_tree, fresh, output, plot_prefix, **model_opts) -> None:
     """Compare methods side by side on a prompt set: tok/s, speedup, acceptance, time split."""
     from .bench import BenchConfig, format_table, load_prompts, run_bench, summarize, to_json
@@ -231,7 +233,7 @@ def bench(target, draft, prompt_file, limit, methods, temps, max_tokens, repeats
     cfg = BenchConfig(methods=tuple(methods), temperatures=tuple(temps) or (0.0,), max_tokens=max_tokens,
                       repeats=repeats, warmup=warmup, draft_max=draft_max, draft_p_min=draft_p_min, seed=seed,
                       fresh=fresh, medusa_tree=medusa_tree)
-    prompts = load_prompts(prompt_file, limit)
+    prompts = load_prompts(prompt_file, limit, per_category)
     with SpeculativeEngine.load(target, draft, decoder_options(**model_opts), medusa_path=medusa_path) as engine:
         total = len(prompts) * len(cfg.methods) * cfg.repeats * len(cfg.temperatures)
         with click.progressbar(length=total, label="benchmarking", file=sys.stderr) as bar:

@@ -57,3 +57,13 @@ def test_bench_bad_prompt_file(tiny_target, tmp_path) -> None:
     assert r.exit_code == 2 and "not JSON" in r.output
     r = CliRunner().invoke(main, ["bench", "-m", str(tiny_target), "-p", str(tmp_path / "missing.txt")])
     assert r.exit_code == 2 and "no such prompt file" in r.output
+
+
+def test_per_category_keeps_the_first_prompts_of_each_category(tmp_path) -> None:
+    from ggufspec.bench import load_prompts
+
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps({"question_id": i, "category": c, "turns": [f"q{i}"]})
+                           for i, c in enumerate(["a", "a", "a", "b", "c", "b", "b"])))
+    assert [p.id for p in load_prompts(f, per_category=2)] == ["0", "1", "3", "4", "5"]
+    assert [p.id for p in load_prompts(f, limit=2, per_category=1)] == ["0", "3"]
