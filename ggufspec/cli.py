@@ -128,7 +128,7 @@ def generate(prompt, target, draft, preset, method, max_tokens, temp, top_k, top
     if method == "medusa" and medusa_path is None:
         raise click.UsageError("--method medusa needs heads: --medusa HEADS.gguf")
     if medusa_vocab is not None and medusa_path is None:
-        raise click.UsageError("--medusa-vocab restricts Medusa heads: give them with --medusa HEADS.gguf")
+        raise click.UsageError("--medusa-vocab restricts Medusa heads: give them with --medusa HEADS.gguf (or a Medusa --preset)")
     if medusa_vocab is not None and medusa_vocab.strip().lstrip("+-").isdigit():
         medusa_vocab = int(medusa_vocab)
     settings = GenerationSettings(
