@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,39 +34,48 @@ class CostModel:
     def best_k(self, acceptance: float, k_max: int) -> int:
         return max(range(k_max + 1), key=lambda k: self.expected_rate(k, acceptance))
 
+    def observe(self, n_verify: int, verify_s: float, draft_decodes: int, draft_s: float, weight: float = 0.2) -> None:
+        """Move toward what one step really cost: the batch size seen at `weight`, the others at half of it,
+        the draft at `weight` per decode.
 
-def _median_seconds(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        A model measured while the machine was busy (or cached from another load) corrects itself in use.
+        """
+        if verify_s > 0:
+            n = min(n_verify, len(self.verify)) - 1
+            ratio = verify_s / self.verify[n]
+            self.verify = [v * ratio ** (weight if i == n else weight / 2) for i, v in enumerate(self.verify)]
+        if draft_decodes:
+            self.draft += (1 - (1 - weight) ** draft_decodes) * (draft_s / draft_decodes - self.draft)
 
 
-def measure(target: Decoder, draft: Decoder | None, k_max: int, repeats: int = 3) -> CostModel:
-    """Time target batches of 1..k_max+1 tokens and one draft token after a short context; resets both."""
+def measure(target: Decoder, draft: Decoder | None, k_max: int, repeats: int = 5) -> tuple[CostModel, float]:
+    """Time target batches of 1..k_max+1 tokens and one draft token after a short context; resets both.
+
+    Rounds interleave all sizes, so a busy spell hits every one; each time is the fastest round's.
+    Also returns the spread (slowest / fastest round, worst size): large when the machine was busy.
+    """
     ctx = list(range(100, 132))
-    verify = []
-    target.sync(ctx)
-    target.feed([7])  # warm-up
-    for n in range(1, k_max + 2):
-        def step() -> None:
-            target.feed(list(range(200, 200 + n)))
-            target.rollback_to(len(ctx))
-        verify.append(_median_seconds(step, repeats))
-    target.rollback_to(0)
-    draft_s = 0.0
-    if draft is not None:
-        draft.sync(ctx)
+    decoders = [target] + ([draft] if draft is not None else [])
+    for d in decoders:
+        d.sync(ctx)
+        d.feed([7])  # warm-up
+        d.rollback_to(len(ctx))
+    sizes = [(target, n) for n in range(1, k_max + 2)] + ([(draft, 1)] if draft is not None else [])
+    times: list[list[float]] = [[] for _ in sizes]
+    for _ in range(repeats):
+        for (d, n), out in zip(sizes, times):
+            t0 = time.perf_counter()
+            d.feed(list(range(200, 200 + n)))
+            out.append(time.perf_counter() - t0)
+            d.rollback_to(len(ctx))
+    for d in decoders:
+        d.rollback_to(0)
+    best = [min(t) for t in times]
+    spread = max(max(t) / min(t) for t in times)
+    return CostModel(best[: k_max + 1], best[k_max + 1] if draft is not None else 0.0), spread
 
-        def dstep() -> None:
-            draft.feed([300])
-            draft.rollback_to(len(ctx))
-        dstep()
-        draft_s = _median_seconds(dstep, repeats + 2)
-        draft.rollback_to(0)
-    return CostModel(verify, draft_s)
+
+MAX_SPREAD = 1.5  # a measurement noisier than this is used for this run but not cached
 
 
 def cached_measure(target: LlamaCppDecoder, draft: LlamaCppDecoder | None, k_max: int) -> CostModel:
@@ -80,7 +88,9 @@ def cached_measure(target: LlamaCppDecoder, draft: LlamaCppDecoder | None, k_max
         table = {}
     if key in table:
         return CostModel(**table[key])
-    model = measure(target, draft, k_max)
+    model, spread = measure(target, draft, k_max)
+    if spread > MAX_SPREAD:
+        return model
     table[key] = asdict(model)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -118,11 +128,20 @@ class AdaptiveLength:
     PROBE_EVERY steps keeps the estimate alive so speculation comes back when it pays again.
     """
 
-    def __init__(self, costs: CostModel, k_max: int, prior: float = 0.6, memory: float = 0.9) -> None:
+    def __init__(self, costs: CostModel, k_max: int, prior: float = 0.6, memory: float = 0.9,
+                 target: LlamaCppDecoder | None = None, draft: LlamaCppDecoder | None = None) -> None:
         self.costs, self.k_max, self.acceptance, self.memory = costs, k_max, prior, memory
         self._off_steps = 0
+        self._clocks = (target, draft)  # their decode counters time each step for costs.observe
+        self._start = (0.0, 0.0, 0)
+
+    def _read_clocks(self) -> tuple[float, float, int]:
+        target, draft = self._clocks
+        return (target.decode_seconds if target else 0.0, draft.decode_seconds if draft else 0.0,
+                draft.n_decodes if draft else 0)
 
     def choose(self) -> int:
+        self._start = self._read_clocks()
         k = self.costs.best_k(self.acceptance, self.k_max)
         if k == 0:
             self._off_steps += 1
@@ -135,3 +154,6 @@ class AdaptiveLength:
         # tokens after the first rejection were never judged: they say nothing about acceptance
         for i in range(min(drafted, accepted + 1)):
             self.acceptance = self.memory * self.acceptance + (1 - self.memory) * (i < accepted)
+        if self._clocks[0] is not None:
+            (t0, d0, n0), (t1, d1, n1) = self._start, self._read_clocks()
+            self.costs.observe(drafted + 1, t1 - t0, n1 - n0, d1 - d0)

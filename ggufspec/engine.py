@@ -244,7 +244,7 @@ class SpeculativeEngine:
         if self._costs is None or len(self._costs.verify) < s.draft_max + 1:
             self._costs = cached_measure(self.target, draft, s.draft_max)
         drafter = LookupThenModel(lookup, model) if model is not None else lookup
-        return drafter, AdaptiveLength(self._costs, s.draft_max)
+        return drafter, AdaptiveLength(self._costs, s.draft_max, target=self.target, draft=draft)
 
     def reset(self) -> None:
         """Empty both KV caches: the next generation prefills from scratch (no prefix reuse)."""

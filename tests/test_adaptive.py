@@ -50,6 +50,18 @@ def test_adaptive_turns_off_probes_and_comes_back() -> None:
 def test_measure_times_every_batch_size_and_resets(tiny_target, tiny_draft) -> None:
     with open_decoder(tiny_target) as t, open_decoder(tiny_draft) as d:
         t.feed([1, 2, 3])
-        costs = measure(t, d, k_max=3, repeats=1)
+        costs, spread = measure(t, d, k_max=3, repeats=2)
         assert len(costs.verify) == 4 and all(v > 0 for v in costs.verify) and costs.draft > 0
+        assert spread >= 1.0
         assert t.history == [] and d.history == []
+
+
+def test_a_cost_model_measured_on_a_busy_machine_corrects_itself_in_use() -> None:
+    # what a busy moment measured (seen here): every batch and the draft about as slow as each other
+    costs = CostModel(verify=[1.35, 1.48, 1.56, 1.51], draft=1.23)
+    assert costs.best_k(0.7, 3) == 0
+    for step in range(40):  # what the steps then really cost: a Q4_0 target, a cheap draft
+        n = 1 if step % 4 else 4
+        costs.observe(n, [0.045, 0.06, 0.065, 0.07][n - 1], draft_decodes=n - 1, draft_s=0.008 * (n - 1))
+    assert abs(costs.draft - 0.008) < 0.002 and abs(costs.verify[0] - 0.045) < 0.01
+    assert costs.best_k(0.7, 3) == 3
