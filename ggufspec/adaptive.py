@@ -10,8 +10,11 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import numpy as np
 
 from .decoder import Decoder, LlamaCppDecoder
 
@@ -25,14 +28,15 @@ class CostModel:
     verify: list[float]
     draft: float
 
-    def expected_rate(self, k: int, acceptance: float) -> float:
-        """Committed tokens per second with k drafts, each kept with probability `acceptance`."""
-        a = min(acceptance, 0.999)
-        tokens = (1 - a ** (k + 1)) / (1 - a)
+    def expected_rate(self, k: int, acceptance: float | Sequence[float]) -> float:
+        """Committed tokens per second with k drafts; acceptance[i]: chance draft i is kept once judged
+        (a single number: the same at every position)."""
+        a = [acceptance] * k if isinstance(acceptance, (int, float)) else list(acceptance)[:k]
+        tokens = 1 + float(np.cumprod(a).sum()) if k else 1.0
         return tokens / (k * self.draft + self.verify[min(k, len(self.verify) - 1)])
 
-    def best_k(self, acceptance: float, k_max: int) -> int:
-        return max(range(k_max + 1), key=lambda k: self.expected_rate(k, acceptance))
+    def best_k(self, acceptance: float | Sequence[float], k_max: int, k_min: int = 0) -> int:
+        return max(range(k_min, k_max + 1), key=lambda k: self.expected_rate(k, acceptance))
 
     def observe(self, n_verify: int, verify_s: float, draft_decodes: int, draft_s: float, weight: float = 0.2) -> None:
         """Move toward what one step really cost: the batch size seen at `weight`, the others at half of it,
@@ -124,21 +128,27 @@ class FixedLength:
 class AdaptiveLength:
     """Pick k each step to maximise expected tokens per second; k = 0 turns speculation off.
 
-    Acceptance is a running average over recent draft tokens. While off, a short probe every
-    PROBE_EVERY steps keeps the estimate alive so speculation comes back when it pays again.
+    Acceptance is a running average per draft position (a draft that got its first token right
+    tends to get the next one right too). While off, a probe every PROBE_EVERY steps, at the
+    cheapest-paying draft length, keeps the estimates alive so speculation comes back when it pays.
     """
 
-    def __init__(self, costs: CostModel, k_max: int, prior: float = 0.6, memory: float = 0.9,
-                 target: LlamaCppDecoder | None = None, draft: LlamaCppDecoder | None = None) -> None:
-        self.costs, self.k_max, self.acceptance, self.memory = costs, k_max, prior, memory
+    def __init__(self, costs: CostModel, k_max: int, prior: float = 0.7, memory: float = 0.95,
+                 target: LlamaCppDecoder | None = None, draft: LlamaCppDecoder | None = None,
+                 acceptance: list[float] | None = None) -> None:
+        self.costs, self.k_max, self.memory = costs, k_max, memory
+        # updated in place: pass the previous generation's list to start from what it learned
+        self.acceptance = acceptance if acceptance is not None else []
+        self.acceptance.extend([prior] * (k_max - len(self.acceptance)))
         self._off_steps = 0
         self._clocks = (target, draft)  # their decode counters time each step for costs.observe
-        self._start = (0.0, 0.0, 0)
+        self._start = (0.0, 0.0, 0, 0)
 
-    def _read_clocks(self) -> tuple[float, float, int]:
+    def _read_clocks(self) -> tuple[float, float, int, int]:
         target, draft = self._clocks
-        return (target.decode_seconds if target else 0.0, draft.decode_seconds if draft else 0.0,
-                draft.n_decodes if draft else 0)
+        if draft is None:
+            return target.decode_seconds if target else 0.0, 0.0, 0, 0
+        return target.decode_seconds, draft.decode_seconds, draft.n_decodes, draft.n_decoded_tokens
 
     def choose(self) -> int:
         self._start = self._read_clocks()
@@ -147,13 +157,15 @@ class AdaptiveLength:
             self._off_steps += 1
             if self._off_steps >= PROBE_EVERY:
                 self._off_steps = 0
-                return 1
+                return self.costs.best_k(self.acceptance, self.k_max, k_min=1)
         return k
 
     def update(self, drafted: int, accepted: int) -> None:
         # tokens after the first rejection were never judged: they say nothing about acceptance
-        for i in range(min(drafted, accepted + 1)):
-            self.acceptance = self.memory * self.acceptance + (1 - self.memory) * (i < accepted)
+        for i in range(min(drafted, accepted + 1, self.k_max)):
+            self.acceptance[i] = self.memory * self.acceptance[i] + (1 - self.memory) * (i < accepted)
         if self._clocks[0] is not None:
-            (t0, d0, n0), (t1, d1, n1) = self._start, self._read_clocks()
-            self.costs.observe(drafted + 1, t1 - t0, n1 - n0, d1 - d0)
+            (t0, d0, n0, k0), (t1, d1, n1, k1) = self._start, self._read_clocks()
+            # a draft catching up on many tokens in one batch says little about one draft step
+            steps = n1 - n0 if k1 - k0 <= n1 - n0 + 1 else 0
+            self.costs.observe(drafted + 1, t1 - t0, steps, d1 - d0)

@@ -149,6 +149,7 @@ class LlamaCppDecoder:
         self.n_shifts = 0
         self.decode_seconds = 0.0
         self.n_decodes = 0
+        self.n_decoded_tokens = 0
         self._n_out = 0
         self._tree: _Tree | None = None
 
@@ -194,6 +195,7 @@ class LlamaCppDecoder:
         rc = llama_cpp.llama_decode(ctx, self._batch.struct)
         self.decode_seconds += time.perf_counter() - t0
         self.n_decodes += 1
+        self.n_decoded_tokens += len(tokens)
         if rc != 0:
             # llama.cpp leaves no partial batch in the KV on failure; the history stays as it was.
             raise GGUFSpecError(f"llama_decode failed with code {rc} at position {len(self.history)}")
@@ -275,6 +277,7 @@ class LlamaCppDecoder:
         rc = llama_cpp.llama_decode(self._ctx, self._batch.struct)
         self.decode_seconds += time.perf_counter() - t0
         self.n_decodes += 1
+        self.n_decoded_tokens += len(tokens)
         self._batch.reset_sequences(len(tokens))
         if rc != 0:
             for s in range(1, tree.n_leaves + 1):

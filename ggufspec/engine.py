@@ -88,6 +88,7 @@ class SpeculativeEngine:
         self.last_result: GenerationResult | None = None
         self.medusa: Heads | None = None  # set by load(medusa_path=...)
         self._costs: CostModel | None = None
+        self._acceptance: dict[bool, list[float]] = {}  # auto's acceptance by position, kept across generations
         self._lock = threading.Lock()
         self._closed = False
 
@@ -244,7 +245,9 @@ class SpeculativeEngine:
         if self._costs is None or len(self._costs.verify) < s.draft_max + 1:
             self._costs = cached_measure(self.target, draft, s.draft_max)
         drafter = LookupThenModel(lookup, model) if model is not None else lookup
-        return drafter, AdaptiveLength(self._costs, s.draft_max, target=self.target, draft=draft)
+        key = model is not None  # acceptance learned with the draft model differs from lookup's alone
+        return drafter, AdaptiveLength(self._costs, s.draft_max, target=self.target, draft=draft,
+                                       acceptance=self._acceptance.setdefault(key, []))
 
     def reset(self) -> None:
         """Empty both KV caches: the next generation prefills from scratch (no prefix reuse)."""

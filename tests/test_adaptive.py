@@ -30,6 +30,9 @@ def test_cost_model_prefers_long_drafts_only_when_they_pay() -> None:
     assert flat.best_k(0.6, 4) == 2  # 1.96 tokens per 81 ms beats 1 per 45 ms and 2.18 per 94 ms
     assert linear.best_k(0.6, 4) == 0  # verifying k tokens costs k decodes: drafting never pays
     assert linear.best_k(0.99, 4) == 0  # not even with a perfect draft: k+1 tokens cost k+1 decodes plus drafting
+    # per position, as measured on the benchmark pair: 1 + .71 + .71*.86 + .71*.86*.76 = 2.785 tokens a pass
+    assert abs(flat.expected_rate(3, [0.71, 0.86, 0.76]) * (3 * 0.008 + 0.07) - 2.785) < 1e-3
+    assert flat.best_k([0.5, 0.9, 0.9, 0.9], 4) == 3  # a weak first guess, but sure after it: still pays
 
 
 def test_adaptive_turns_off_probes_and_comes_back() -> None:
@@ -40,7 +43,9 @@ def test_adaptive_turns_off_probes_and_comes_back() -> None:
         policy.update(policy.choose(), 0)
     assert policy.costs.best_k(policy.acceptance, 4) == 0
     chosen = [policy.choose() for _ in range(2 * PROBE_EVERY)]
-    assert chosen.count(0) == 2 * PROBE_EVERY - 2 and chosen.count(1) == 2  # off, but probing
+    assert chosen.count(0) == 2 * PROBE_EVERY - 2  # off, but probing twice
+    probe = costs.best_k(policy.acceptance, 4, k_min=1)  # the best length but 0: not blindly 1
+    assert [k for k in chosen if k] == [probe, probe] and probe > 1
     for _ in range(8 * PROBE_EVERY):  # the drafts are good again: the probes bring speculation back
         k = policy.choose()
         policy.update(k, k)
@@ -65,3 +70,12 @@ def test_a_cost_model_measured_on_a_busy_machine_corrects_itself_in_use() -> Non
         costs.observe(n, [0.045, 0.06, 0.065, 0.07][n - 1], draft_decodes=n - 1, draft_s=0.008 * (n - 1))
     assert abs(costs.draft - 0.008) < 0.002 and abs(costs.verify[0] - 0.045) < 0.01
     assert costs.best_k(0.7, 3) == 3
+
+
+def test_acceptance_carries_over_to_the_next_generation() -> None:
+    costs = CostModel(verify=[0.045, 0.06, 0.065, 0.07], draft=0.008)
+    learned = [0.9]  # what an earlier generation left, for one position
+    policy = AdaptiveLength(costs, k_max=3, prior=0.7, acceptance=learned)
+    assert learned == [0.9, 0.7, 0.7]
+    policy.update(3, 0)
+    assert learned[0] < 0.9 and learned[1:] == [0.7, 0.7]  # updated in place; unjudged positions untouched
