@@ -154,7 +154,11 @@ def quantize(
     allow_requantize: bool = False,
     progress: Callable[[int, int], None] | None = None,
 ) -> QuantizeReport:
-    """Quantize GGUF `inp` to `out` as `qtype` (a llama.cpp ftype name); atomic: temp file, then rename."""
+    """Quantize GGUF `inp` to `out` as `qtype` (a llama.cpp ftype name); atomic: temp file, then rename.
+
+    llama.cpp's quantizer cannot be cancelled: Ctrl-C during it (on the main thread, with Python's
+    default SIGINT handler) deletes the temp file and ends the process with exit code 130.
+    """
     import llama_cpp
 
     inp, out = Path(inp), Path(out)
