@@ -51,6 +51,7 @@ def write_plots(rows: list[Summary], prefix: str | Path, baseline: str = "autore
             if r.temperature == temp and r.category == "all" and r.acceptance_by_position:
                 pos = range(1, len(r.acceptance_by_position) + 1)
                 ax.plot(pos, r.acceptance_by_position, marker="o", label=r.method)
+                ax.set_xticks(pos)
         ax.set_ylim(0, 1)
         ax.set_xlabel("draft position (depth for medusa)")
         ax.set_ylabel("kept, given judged")
