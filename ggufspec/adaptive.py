@@ -18,7 +18,9 @@ import numpy as np
 
 from .decoder import Decoder, LlamaCppDecoder
 
-PROBE_EVERY = 16  # plain steps between probes while speculation is off
+PROBE_EVERY = 16  # plain steps before the first probe while speculation is off; doubled after each failed one
+PROBE_EVERY_MAX = 128
+OPTIMISTIC = 0.9  # no probing when even drafts kept this often would not pay (verifying k costs ~k decodes)
 
 
 @dataclass
@@ -129,8 +131,11 @@ class AdaptiveLength:
     """Pick k each step to maximise expected tokens per second; k = 0 turns speculation off.
 
     Acceptance is a running average per draft position (a draft that got its first token right
-    tends to get the next one right too). While off, a probe every PROBE_EVERY steps, at the
-    cheapest-paying draft length, keeps the estimates alive so speculation comes back when it pays.
+    tends to get the next one right too), carried from one generation to the next but pulled
+    halfway back to the prior at each start, so every prompt gets a fair try. While off, a probe
+    at the best non-zero length keeps the estimates alive: after PROBE_EVERY plain steps, twice
+    as long after each probe that kept nothing. A probe costs a bigger batch and a draft catching
+    up, so none is made when no acceptance could make drafting pay.
     """
 
     def __init__(self, costs: CostModel, k_max: int, prior: float = 0.7, memory: float = 0.95,
@@ -139,8 +144,9 @@ class AdaptiveLength:
         self.costs, self.k_max, self.memory = costs, k_max, memory
         # updated in place: pass the previous generation's list to start from what it learned
         self.acceptance = acceptance if acceptance is not None else []
+        self.acceptance[:] = [(a + prior) / 2 for a in self.acceptance[:k_max]]
         self.acceptance.extend([prior] * (k_max - len(self.acceptance)))
-        self._off_steps = 0
+        self._off_steps, self._probe_every, self._probing = 0, PROBE_EVERY, False
         self._clocks = (target, draft)  # their decode counters time each step for costs.observe
         self._start = (0.0, 0.0, 0, 0)
 
@@ -153,10 +159,11 @@ class AdaptiveLength:
     def choose(self) -> int:
         self._start = self._read_clocks()
         k = self.costs.best_k(self.acceptance, self.k_max)
-        if k == 0:
+        self._probing = False
+        if k == 0 and self.costs.best_k(OPTIMISTIC, self.k_max) > 0:
             self._off_steps += 1
-            if self._off_steps >= PROBE_EVERY:
-                self._off_steps = 0
+            if self._off_steps >= self._probe_every:
+                self._off_steps, self._probing = 0, True
                 return self.costs.best_k(self.acceptance, self.k_max, k_min=1)
         return k
 
@@ -164,6 +171,8 @@ class AdaptiveLength:
         # tokens after the first rejection were never judged: they say nothing about acceptance
         for i in range(min(drafted, accepted + 1, self.k_max)):
             self.acceptance[i] = self.memory * self.acceptance[i] + (1 - self.memory) * (i < accepted)
+        if self._probing:
+            self._probe_every = PROBE_EVERY if accepted else min(2 * self._probe_every, PROBE_EVERY_MAX)
         if self._clocks[0] is not None:
             (t0, d0, n0, k0), (t1, d1, n1, k1) = self._start, self._read_clocks()
             # a draft catching up on many tokens in one batch says little about one draft step
