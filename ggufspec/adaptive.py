@@ -139,16 +139,17 @@ class AdaptiveLength:
     """
 
     def __init__(self, costs: CostModel, k_max: int, prior: float = 0.7, memory: float = 0.95,
-                 target: LlamaCppDecoder | None = None, draft: LlamaCppDecoder | None = None,
-                 acceptance: list[float] | None = None) -> None:
-        self.costs, self.k_max, self.memory = costs, k_max, memory
-        # updated in place: pass the previous generation's list to start from what it learned
-        self.acceptance = acceptance if acceptance is not None else []
-        self.acceptance[:] = [(a + prior) / 2 for a in self.acceptance[:k_max]]
-        self.acceptance.extend([prior] * (k_max - len(self.acceptance)))
+                 target: LlamaCppDecoder | None = None, draft: LlamaCppDecoder | None = None) -> None:
+        self.costs, self.k_max, self.memory, self.prior = costs, k_max, memory, prior
+        self.acceptance = [prior] * k_max
         self._off_steps, self._probe_every, self._probing = 0, PROBE_EVERY, False
         self._clocks = (target, draft)  # their decode counters time each step for costs.observe
         self._start = (0.0, 0.0, 0, 0)
+
+    def restart(self) -> AdaptiveLength:
+        """Ready for the next generation: keep what was learned, acceptance halfway back to the prior."""
+        self.acceptance = [(a + self.prior) / 2 for a in self.acceptance]
+        return self
 
     def _read_clocks(self) -> tuple[float, float, int, int]:
         target, draft = self._clocks

@@ -88,7 +88,7 @@ class SpeculativeEngine:
         self.last_result: GenerationResult | None = None
         self.medusa: Heads | None = None  # set by load(medusa_path=...)
         self._costs: CostModel | None = None
-        self._acceptance: dict[bool, list[float]] = {}  # auto's acceptance by position, kept across generations
+        self._policies: dict[bool, AdaptiveLength] = {}  # auto's, kept across generations: what they learned
         self._lock = threading.Lock()
         self._closed = False
 
@@ -246,8 +246,10 @@ class SpeculativeEngine:
             self._costs = cached_measure(self.target, draft, s.draft_max)
         drafter = LookupThenModel(lookup, model) if model is not None else lookup
         key = model is not None  # acceptance learned with the draft model differs from lookup's alone
-        return drafter, AdaptiveLength(self._costs, s.draft_max, target=self.target, draft=draft,
-                                       acceptance=self._acceptance.setdefault(key, []))
+        policy = self._policies.get(key)
+        if policy is None or policy.k_max != s.draft_max or policy.costs is not self._costs:
+            policy = self._policies[key] = AdaptiveLength(self._costs, s.draft_max, target=self.target, draft=draft)
+        return drafter, policy.restart()
 
     def reset(self) -> None:
         """Empty both KV caches: the next generation prefills from scratch (no prefix reuse)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from ggufspec.adaptive import PROBE_EVERY, AdaptiveLength, CostModel, measure
 from ggufspec.drafters import LookupDrafter
@@ -72,20 +73,24 @@ def test_a_cost_model_measured_on_a_busy_machine_corrects_itself_in_use() -> Non
     assert costs.best_k(0.7, 3) == 3
 
 
-def test_acceptance_carries_over_to_the_next_generation() -> None:
+def test_a_restart_keeps_what_was_learned() -> None:
     costs = CostModel(verify=[0.045, 0.06, 0.065, 0.07], draft=0.008)
-    learned = [0.9]  # what an earlier generation left, for one position
-    policy = AdaptiveLength(costs, k_max=3, prior=0.7, acceptance=learned)
-    assert learned == [0.8, 0.7, 0.7]  # halfway back to the prior: a new prompt gets a fair try
-    policy.update(3, 0)
-    assert learned[0] < 0.8 and learned[1:] == [0.7, 0.7]  # updated in place; unjudged positions untouched
+    policy = AdaptiveLength(costs, k_max=3, prior=0.7)
+    policy.acceptance = [0.9, 0.7, 0.1]
+    policy.update(3, 0)  # only position 1 was judged
+    assert policy.acceptance[0] < 0.9 and policy.acceptance[1:] == [0.7, 0.1]
+    a0 = policy.acceptance[0]
+    assert policy.restart().acceptance == pytest.approx([(a0 + 0.7) / 2, 0.7, 0.4])  # halfway back: a new prompt gets a fair try
 
 
 def test_failed_probes_back_off_and_linear_targets_are_never_probed() -> None:
     costs = CostModel(verify=[0.045, 0.06, 0.065, 0.07, 0.072], draft=0.008)
-    policy = AdaptiveLength(costs, k_max=4, acceptance=[0.1] * 4)
+    policy = AdaptiveLength(costs, k_max=4)
+    policy.acceptance = [0.1] * 4
     gaps, since = [], 0
-    for _ in range(400):
+    for step in range(400):
+        if step == 200:
+            policy.restart()  # a new generation does not forget the backoff
         k = policy.choose()
         since += 1
         if k:
