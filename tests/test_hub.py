@@ -67,7 +67,7 @@ def test_registry_ships_the_pairs_people_run():
     for name in ("demo", "demo-medusa", "qwen2.5-7b", "qwen2.5-coder-7b", "llama3.1-8b", "smollm2-1.7b"):
         assert name in presets
     for p in presets.values():
-        assert p.method in ("vanilla", "medusa") and 1 <= p.draft_max <= 16
+        assert p.method in ("vanilla", "auto", "medusa") and 1 <= p.draft_max <= 16
         assert (p.draft is None) != (p.medusa is None), p.name
         assert {"license", "ram"} <= set(p.notes), p.name
         for spec in (p.target, p.draft, p.medusa):
