@@ -214,13 +214,20 @@ def _finish(result, show_stats: bool, as_json: bool) -> None:
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="Write all runs and the summary as JSON.")
 @click.option("--plot", "plot_prefix", type=click.Path(dir_okay=False), default=None,
               help="Write PREFIX-speedup.png and PREFIX-acceptance.png (needs matplotlib: pip install 'ggufspec[plot]').")
+@click.option("--replay", is_flag=True,
+              help="Instead of timing runs: record each prompt's greedy text and the draft's guesses once, then price "
+                   "autoregressive, vanilla, lookup, auto and a per-step oracle with the measured cost model.")
 @model_options
 def bench(target, draft, prompt_file, limit, per_category, methods, temps, max_tokens, repeats, warmup, draft_max, draft_p_min,
-          seed, medusa_path, medusa_tree, fresh, output, plot_prefix, **model_opts) -> None:
+          seed, medusa_path, medusa_tree, fresh, output, plot_prefix, replay, **model_opts) -> None:
     """Compare methods side by side on a prompt set: tok/s, speedup, acceptance, time split."""
     from .bench import BenchConfig, format_table, load_prompts, run_bench, summarize, to_json
     from .engine import SpeculativeEngine
 
+    if replay:
+        if draft is None:
+            raise click.UsageError("--replay needs a draft model: -d DRAFT.gguf")
+        return _replay(target, draft, load_prompts(prompt_file, limit, per_category), max_tokens, draft_max, model_opts)
     methods = methods or (("autoregressive", "vanilla") if draft else ("autoregressive",))
     if "vanilla" in methods and draft is None:
         raise click.UsageError("--method vanilla needs a draft model: -d DRAFT.gguf")
@@ -251,6 +258,23 @@ def bench(target, draft, prompt_file, limit, per_category, methods, temps, max_t
 
         for path in write_plots(rows, plot_prefix):
             click.echo(f"wrote {path}", err=True)
+
+
+def _replay(target, draft, prompts, max_tokens: int, draft_max: int, model_opts: dict) -> None:
+    from .adaptive import measure
+    from .engine import SpeculativeEngine
+    from .replay import record, replay_table
+
+    with SpeculativeEngine.load(target, draft, decoder_options(**model_opts)) as engine:
+        costs, spread = measure(engine.target, engine.draft, draft_max)
+        with click.progressbar(length=len(prompts), label="recording", file=sys.stderr) as bar:
+            traces = record(engine, prompts, max_tokens, bar.update)
+    verify = " ".join(f"{v * 1e3:.1f}" for v in costs.verify)
+    click.echo(f"cost model: target ms for 1..{draft_max + 1} tokens {verify}; draft {costs.draft * 1e3:.1f} ms/token"
+               f" (spread {spread:.2f})")
+    click.echo(f"{'category':16} {'policy':15} {'tok/s':>7} {'speedup':>8} {'tok/pass':>9}")
+    for cat, policy, r, speedup in replay_table(traces, costs, draft_max, max_tokens):
+        click.echo(f"{cat:16} {policy:15} {r.tokens_per_s:7.2f} {speedup:7.2f}x {r.tokens_per_pass:9.2f}")
 
 
 @main.command()
