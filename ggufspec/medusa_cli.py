@@ -31,6 +31,8 @@ def medusa() -> None:
 @click.option("--batch", type=click.IntRange(1), default=256, show_default=True)
 @click.option("--lr", type=float, default=1e-3, show_default=True)
 @click.option("--weight-decay", type=float, default=0.0, show_default=True)
+@click.option("--soft-weight", type=click.FloatRange(0, 1), default=0.5, show_default=True,
+              help="With a --data cache that holds the target's top logits: share of the loss on that distribution.")
 @click.option("--own-lm-head", is_flag=True, help="Write v1 heads with a copy of the target's output matrix each "
               "(default: v2 heads that share the target's, much smaller).")
 @click.option("--outtype", type=click.Choice(["f16", "f32", "q8_0"]), default="f16", show_default=True)
@@ -39,7 +41,7 @@ def medusa() -> None:
 @click.option("-t", "--threads", type=click.IntRange(1), default=None, help="llama.cpp threads for collection.")
 def train_cmd(target: Path, out: Path, prompts: Path | None, text_file: Path | None, data_cache: Path | None,
               heads: int, max_new: int, parallel: int, no_chat: bool, epochs: int, batch: int, lr: float,
-              weight_decay: float, own_lm_head: bool, outtype: str, checkpoint_dir: Path | None,
+              weight_decay: float, soft_weight: float, own_lm_head: bool, outtype: str, checkpoint_dir: Path | None,
               threads: int | None) -> None:
     """Collect hidden states of TARGET, train Medusa heads on them, and write the heads to OUT (GGUF)."""
     from .convert.medusa import convert_medusa
@@ -79,7 +81,7 @@ def train_cmd(target: Path, out: Path, prompts: Path | None, text_file: Path | N
         raise click.UsageError(f"the data has hidden size {data.hidden.shape[1]}, {target} has {lm.shape[1]}: wrong --data cache?")
     say(f"training {heads} heads on {len(data.rows)} positions, hidden {lm.shape[1]}, vocab {lm.shape[0]}", force=True)
     t_train = time.perf_counter()
-    blocks, history = train_heads(data, lm, TrainConfig(heads, epochs, batch, lr, weight_decay), say)
+    blocks, history = train_heads(data, lm, TrainConfig(heads, epochs, batch, lr, weight_decay, soft_weight=soft_weight), say)
     ckpt = checkpoint_dir or out.with_name(out.stem + "-checkpoint")
     save_checkpoint(ckpt, blocks, [lm] * heads if own_lm_head else None, base_model=target.name, vocab_size=lm.shape[0])
     rep = convert_medusa(ckpt, out, outtype)

@@ -27,20 +27,25 @@ Progress = Callable[[str], None]
 
 @dataclass
 class Corpus:
-    """Sequences of tokens and the hidden state after each token (float16)."""
+    """Sequences of tokens and the hidden state after each token (float16); optionally the target's top
+    logits after each token (`top_ids`, `top_logits`: soft labels for the heads)."""
 
     tokens: list[np.ndarray]
     hidden: list[np.ndarray]
+    top_ids: list[np.ndarray] | None = None
+    top_logits: list[np.ndarray] | None = None
 
     def save(self, path: Path) -> None:
         lengths = np.array([len(t) for t in self.tokens], dtype=np.int64)
-        np.savez(path, lengths=lengths, tokens=np.concatenate(self.tokens), hidden=np.concatenate(self.hidden))
+        soft = {"top_ids": np.concatenate(self.top_ids), "top_logits": np.concatenate(self.top_logits)} if self.top_ids else {}
+        np.savez(path, lengths=lengths, tokens=np.concatenate(self.tokens), hidden=np.concatenate(self.hidden), **soft)
 
     @classmethod
     def load(cls, path: Path) -> Corpus:
         z = np.load(path)
         cuts = np.cumsum(z["lengths"])[:-1]
-        return cls(np.split(z["tokens"], cuts), np.split(z["hidden"], cuts))
+        soft = [np.split(z[k], cuts) if k in z.files else None for k in ("top_ids", "top_logits")]
+        return cls(np.split(z["tokens"], cuts), np.split(z["hidden"], cuts), *soft)
 
     @property
     def n_tokens(self) -> int:
@@ -188,34 +193,50 @@ class TrainConfig:
     valid_samples: int = 512
     negatives: int = 4096
     seed: int = 0
+    soft_weight: float = 0.5  # share of the loss on the target's top-K distribution, when the data has it
 
 
 @dataclass
 class Pairs:
-    """Training positions: hidden states of every position, and per sample its row and labels."""
+    """Training positions: hidden states of every position, and per sample its row, sequence and labels."""
 
     hidden: np.ndarray  # [P, H] float16, all positions of all sequences
     rows: np.ndarray  # [N] row of the sample's own hidden state
     labels: np.ndarray  # [N, heads] token i + k + 2, -1 past the end
+    seqs: np.ndarray | None = None  # [N] which sequence: validation holds out whole sequences
+    soft_ids: np.ndarray | None = None  # [N, heads, K] the target's top-K for token i + k + 2
+    soft_logits: np.ndarray | None = None  # [N, heads, K]
 
 
 def training_pairs(corpus: Corpus, heads: int) -> Pairs:
-    """Every position i with at least token i + 2 known is a sample; head k learns token i + k + 2."""
-    rows, labels = [], []
+    """Every position i with at least token i + 2 known is a sample; head k learns token i + k + 2
+    (and, with the corpus's top logits, the target's distribution after token i + k + 1)."""
+    rows, labels, seqs, soft_i, soft_v = [], [], [], [], []
     base = 0
-    for toks in corpus.tokens:
+    for j, toks in enumerate(corpus.tokens):
         n = len(toks) - 2
         if n >= 1:
             y = np.full((n, heads), -1, dtype=np.int64)
             for k in range(heads):
                 m = max(0, n - k)
                 y[:m, k] = toks[k + 2 :]
+            if corpus.top_ids is not None:
+                ids, val = corpus.top_ids[j], corpus.top_logits[j]
+                si = np.zeros((n, heads, ids.shape[1]), dtype=np.int32)
+                sv = np.full((n, heads, ids.shape[1]), -1e4, dtype=np.float16)
+                for k in range(heads):
+                    m = max(0, n - k)
+                    si[:m, k], sv[:m, k] = ids[k + 1 : k + 1 + m], val[k + 1 : k + 1 + m]
+                soft_i.append(si)
+                soft_v.append(sv)
             rows.append(base + np.arange(n))
             labels.append(y)
+            seqs.append(np.full(n, j))
         base += len(toks)
     if not rows:
         raise GGUFSpecError("the training data holds no sequence of 3 tokens or more")
-    return Pairs(np.concatenate(corpus.hidden), np.concatenate(rows), np.concatenate(labels))
+    soft = (np.concatenate(soft_i), np.concatenate(soft_v)) if soft_i else (None, None)
+    return Pairs(np.concatenate(corpus.hidden), np.concatenate(rows), np.concatenate(labels), np.concatenate(seqs), *soft)
 
 
 class _Adam:
@@ -235,6 +256,22 @@ class _Adam:
             p -= self.lr * ((m / c1) / (np.sqrt(v / c2) + 1e-8) + self.wd * p)
 
 
+def _split(data: Pairs, n_valid: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """(validation, training) sample indices; whole sequences are held out, so neighbouring positions
+    of one answer never sit on both sides (they would make validation look better than new text)."""
+    if data.seqs is None:
+        order = rng.permutation(len(data.rows))
+        return order[:n_valid], order[n_valid:]
+    sizes = np.bincount(data.seqs)
+    order = rng.permutation(len(sizes))
+    n_held = int(np.searchsorted(np.cumsum(sizes[order]), n_valid)) + 1
+    if n_held >= len(sizes):  # too few sequences to hold any out: split positions
+        order = rng.permutation(len(data.rows))
+        return order[:n_valid], order[n_valid:]
+    held = np.isin(data.seqs, order[:n_held])
+    return rng.permutation(np.flatnonzero(held)), rng.permutation(np.flatnonzero(~held))
+
+
 def train_heads(
     data: Pairs, lm_head: np.ndarray, cfg: TrainConfig, progress: Progress | None = None,
 ) -> tuple[list[list[tuple[np.ndarray, np.ndarray]]], dict[str, list[float]]]:
@@ -247,9 +284,7 @@ def train_heads(
     rng = np.random.default_rng(cfg.seed)
     hid = data.hidden
     n, hidden, k = len(data.rows), hid.shape[1], data.labels.shape[1]
-    order = rng.permutation(n)
-    n_valid = min(cfg.valid_samples, max(1, n // 10))
-    valid, train = order[:n_valid], order[n_valid:]
+    valid, train = _split(data, min(cfg.valid_samples, max(1, n // 10)), rng)
     w = np.zeros((k * hidden, hidden), dtype=np.float32)  # all heads' ResBlocks stacked: one matmul
     b = np.zeros(k * hidden, dtype=np.float32)
     opt = _Adam([w, b], cfg.lr, cfg.weight_decay)
@@ -278,7 +313,8 @@ def train_heads(
             xb = hid[data.rows[idx]].astype(np.float32)
             yb = data.labels[idx]
             mask = yb >= 0
-            vocab, inverse = np.unique(np.concatenate([np.where(mask, yb, yb[mask][0]).ravel(), frequent]),
+            soft = data.soft_ids[idx] if data.soft_ids is not None else np.zeros((*yb.shape, 0), np.int32)
+            vocab, inverse = np.unique(np.concatenate([np.where(mask, yb, yb[mask][0]).ravel(), soft.ravel(), frequent]),
                                        return_inverse=True)
             y_sub = inverse[: yb.size].reshape(yb.shape)
             lm_c = lm_head[vocab]  # [C, H]
@@ -289,8 +325,19 @@ def train_heads(
             p /= p.sum(-1, keepdims=True)
             r, c = np.nonzero(mask)
             count = max(1, int(mask.sum()))
-            loss = float(-np.log(p[r, c, y_sub[r, c]] + 1e-12).sum() / count)
-            p[r, c, y_sub[r, c]] -= 1.0
+            # target: the label, or with soft labels half of it and half the target's top-K distribution
+            want = np.zeros_like(p)
+            hard = 1.0 if not soft.shape[-1] else 1.0 - cfg.soft_weight
+            want[r, c, y_sub[r, c]] = hard
+            if soft.shape[-1]:
+                t = data.soft_logits[idx].astype(np.float32)
+                t = np.exp(t - t.max(-1, keepdims=True))
+                t /= t.sum(-1, keepdims=True)
+                s_sub = inverse[yb.size : yb.size + soft.size].reshape(soft.shape)
+                rr, cc = np.broadcast_to(r[:, None], (len(r), soft.shape[-1])), np.broadcast_to(c[:, None], (len(c), soft.shape[-1]))
+                np.add.at(want, (rr, cc, s_sub[r, c]), cfg.soft_weight * t[r, c])
+            loss = float(-(want * np.log(p + 1e-12)).sum() / count)
+            p -= want
             p *= (mask / count)[:, :, None]
             dz = (p.reshape(-1, p.shape[-1]) @ lm_c).reshape(z.shape) * (s * (1.0 + z * (1.0 - s)))  # d/dz of z*sigmoid(z)
             dz = dz.reshape(len(xb), k * hidden)

@@ -286,3 +286,39 @@ def test_cli_generate_medusa_json(tiny_target, random_heads) -> None:
     want = run("--method", "autoregressive")
     assert_same_or_near_tie(tiny_target, PROMPTS[1], want["tokens"], got["tokens"], NEAR_TIE["f32"])
     assert got["stats"]["target_passes"] <= want["stats"]["target_passes"]
+
+
+@pytest.mark.parametrize("soft_weight", [0.0, 1.0])
+def test_soft_labels_steer_the_heads(tiny_target, soft_weight) -> None:
+    """Heads follow the soft labels (the target's top-K after token i + k + 1) when weighted in, not otherwise.
+
+    Real hidden states of the tiny target; soft labels that all put their mass on one token T. With
+    soft_weight 1 the heads predict T for a large share of positions (a ResBlock cannot cancel x, so not all);
+    with 0 only the text's own tokens count, and T is never among them.
+    """
+    from ggufspec.medusa_heads import target_lm_head
+    from ggufspec.medusa_train import Corpus, TrainConfig, collect_text, open_for_collection, train_heads, training_pairs
+
+    d = open_for_collection(tiny_target, 1, 256, threads=1)
+    try:
+        corpus = collect_text(d, [" ".join(PROMPTS) * 3], 48)
+    finally:
+        d.close()
+    T, K = 4242, 4
+    corpus.top_ids = [np.tile(np.array([T, 5, 6, 7], dtype=np.int32), (len(t), 1)) for t in corpus.tokens]
+    corpus.top_logits = [np.tile(np.array([8.0, 0, 0, 0], dtype=np.float16), (len(t), 1)) for t in corpus.tokens]
+    pairs = training_pairs(corpus, 2)
+    assert pairs.soft_ids.shape == (len(pairs.rows), 2, K) and len(set(pairs.seqs.tolist())) == len(corpus.tokens)
+    lm = target_lm_head(tiny_target)
+    blocks, history = train_heads(pairs, lm, TrainConfig(2, epochs=30, batch=32, lr=1e-2, valid_samples=40,
+                                                         negatives=256, soft_weight=soft_weight))
+    x = pairs.hidden[pairs.rows].astype(np.float32)
+    share = []
+    for (w, b), in blocks:
+        z = x @ w.T + b
+        share.append(float(((x + z / (1 + np.exp(-z))) @ lm.T).argmax(-1).__eq__(T).mean()))
+    if soft_weight:
+        assert min(share) > 0.4, share
+    else:
+        assert max(share) < 0.05, share
+        assert len(history["top1_head0"]) == 30
