@@ -49,7 +49,11 @@ class Replay:
 
 def record(engine: SpeculativeEngine, prompts: Iterable[BenchPrompt], max_tokens: int,
            progress: Callable[[int], None] | None = None) -> list[Trace]:
-    """The target's greedy continuation of each prompt and the draft's guesses along it (fresh contexts)."""
+    """The target's greedy continuation of each prompt and the draft's guesses along it (fresh contexts).
+
+    The continuation is decoded with vanilla speculation, for speed: the target's greedy text up to
+    batch-kernel near-ties (see the README's promise section).
+    """
     if engine.draft is None:
         raise ValueError("replay needs a draft model")
     traces = []
