@@ -235,6 +235,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--batch-tokens", type=int, default=1024, help="Tokens per step (small data: many small steps).")
+    ap.add_argument("--layers", type=int, default=4, help="Transformer layers (width stays 256).")
     ap.add_argument("--init-layers", default="", help="Start from these target layers (e.g. 0,1,2,29), compressed to width 256.")
     args = ap.parse_args()
     torch.manual_seed(args.seed)
@@ -253,7 +254,7 @@ def main() -> None:
         model = Draft(emb, Shape(len(layers), heads, kv, 64, t["blk.0.ffn_gate.weight"].shape[0]))
         model.init_from_target(t, proj, layers, heads, kv)
     else:
-        model = Draft(emb)
+        model = Draft(emb, Shape(layers=args.layers))
     del t
     seqs = [s for path in args.data for s in load_data(path)]
     random.Random(args.seed).shuffle(seqs)
