@@ -1,8 +1,8 @@
 """How many tokens to draft: a cost model measured on this machine, and the acceptance seen so far.
 
 On CPUs the target's cost for a batch of n tokens is far from n times one token (llama.cpp
-repacks Q4_0 for small batches; Q8_0 and Q4_1 cost nearly n times), so the best draft length
-is found by measuring, not assumed.
+repacks Q4_0 and Q8_0 for small batches, Q4_0 best at multiples of 4 tokens; Q4_1 costs nearly
+n times), so the best draft length is found by measuring, not assumed.
 """
 
 from __future__ import annotations
