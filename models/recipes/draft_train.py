@@ -4,9 +4,10 @@ Recipe step 2 of 2 (step 1: draft_data.py). Needs torch (`pip install -e '.[torc
 
 Why this shape: the target (30 layers x 576, vocab 49152, tied embeddings) spends a large share of each step on
 its 49152 x 576 output matmul, so a draft is only cheap with a narrow width. 4 layers (`--layers`; the demo
-draft has 6) at width 256 (GQA 4/2 heads, FFN 768), tied embeddings initialised from the top-256 principal directions of the target's own embedding matrix,
-so the draft starts in the target's token space and only the layers have to be learned. Loss: cross-entropy
-against the target's top-16 distribution (renormalised) at every position, plus its greedy token.
+draft has 6) at width 256 (GQA 4/2 heads, FFN 768), tied embeddings initialised from the top-256 principal
+directions of the target's own embedding matrix, so the draft starts in the target's token space and only the
+layers have to be learned. Loss: cross-entropy against the target's top-16 distribution (renormalised) at every
+position, plus its greedy token.
 
     nice -n 19 python models/recipes/draft_train.py TARGET.gguf OUT_DIR DATA.npz [MORE.npz ...] --minutes 25 --seed 0 [--layers 6]
     ggufspec convert hf OUT_DIR/hf models/demo/smollm2-135m-draft.Q8_0.gguf --vocab-from TARGET.gguf --outtype q8_0
