@@ -37,7 +37,9 @@ class Corpus:
 
     def save(self, path: Path) -> None:
         lengths = np.array([len(t) for t in self.tokens], dtype=np.int64)
-        soft = {"top_ids": np.concatenate(self.top_ids), "top_logits": np.concatenate(self.top_logits)} if self.top_ids else {}
+        soft = {}
+        if self.top_ids is not None and self.top_logits is not None:
+            soft = {"top_ids": np.concatenate(self.top_ids), "top_logits": np.concatenate(self.top_logits)}
         np.savez(path, lengths=lengths, tokens=np.concatenate(self.tokens), hidden=np.concatenate(self.hidden), **soft)
 
     @classmethod
@@ -236,7 +238,8 @@ def training_pairs(corpus: Corpus, heads: int) -> Pairs:
     if not rows:
         raise GGUFSpecError("the training data holds no sequence of 3 tokens or more")
     soft = (np.concatenate(soft_i), np.concatenate(soft_v)) if soft_i else (None, None)
-    return Pairs(np.concatenate(corpus.hidden), np.concatenate(rows), np.concatenate(labels), np.concatenate(seqs), *soft)
+    return Pairs(np.concatenate(corpus.hidden), np.concatenate(rows), np.concatenate(labels), np.concatenate(seqs),
+                 *soft)
 
 
 class _Adam:
@@ -314,8 +317,8 @@ def train_heads(
             yb = data.labels[idx]
             mask = yb >= 0
             soft = data.soft_ids[idx] if data.soft_ids is not None else np.zeros((*yb.shape, 0), np.int32)
-            vocab, inverse = np.unique(np.concatenate([np.where(mask, yb, yb[mask][0]).ravel(), soft.ravel(), frequent]),
-                                       return_inverse=True)
+            labels = np.where(mask, yb, yb[mask][0]).ravel()
+            vocab, inverse = np.unique(np.concatenate([labels, soft.ravel(), frequent]), return_inverse=True)
             y_sub = inverse[: yb.size].reshape(yb.shape)
             lm_c = lm_head[vocab]  # [C, H]
             z, s, out = forward(xb)
@@ -325,17 +328,18 @@ def train_heads(
             p /= p.sum(-1, keepdims=True)
             r, c = np.nonzero(mask)
             count = max(1, int(mask.sum()))
-            # target: the label, or with soft labels half of it and half the target's top-K distribution
+            # what to predict: the label; with soft labels, the label at 1 - soft_weight and the
+            # target's top-K distribution at soft_weight
+            top_k = soft.shape[-1]
             want = np.zeros_like(p)
-            hard = 1.0 if not soft.shape[-1] else 1.0 - cfg.soft_weight
-            want[r, c, y_sub[r, c]] = hard
-            if soft.shape[-1]:
+            want[r, c, y_sub[r, c]] = 1.0 - cfg.soft_weight if top_k else 1.0
+            if top_k:
                 t = data.soft_logits[idx].astype(np.float32)
                 t = np.exp(t - t.max(-1, keepdims=True))
                 t /= t.sum(-1, keepdims=True)
                 s_sub = inverse[yb.size : yb.size + soft.size].reshape(soft.shape)
-                rr, cc = np.broadcast_to(r[:, None], (len(r), soft.shape[-1])), np.broadcast_to(c[:, None], (len(c), soft.shape[-1]))
-                np.add.at(want, (rr, cc, s_sub[r, c]), cfg.soft_weight * t[r, c])
+                np.add.at(want, (np.repeat(r, top_k), np.repeat(c, top_k), s_sub[r, c].ravel()),
+                          cfg.soft_weight * t[r, c].ravel())
             loss = float(-(want * np.log(p + 1e-12)).sum() / count)
             p -= want
             p *= (mask / count)[:, :, None]
