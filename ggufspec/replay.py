@@ -82,6 +82,8 @@ def kept(proposal: list[int], tokens: list[int], t: int) -> int:
 
 def replay(traces: Iterable[Trace], costs: CostModel, policy: str, k: int, max_tokens: int) -> Replay:
     """Price every step of `policy` (one of POLICIES) with draft length k over the traces."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}: one of {', '.join(POLICIES)}")
     lookup = LookupDrafter(n_vocab=0)
     adaptive = AdaptiveLength(CostModel(list(costs.verify), costs.draft), k) if policy == "auto" else None
     total = Replay()
@@ -98,7 +100,8 @@ def replay(traces: Iterable[Trace], costs: CostModel, policy: str, k: int, max_t
                 "lookup": (lookup.find(tr.tokens[:t], room) if room else [], 0),
             }
             if policy == "oracle":
-                proposal, decodes = max(options.values(), key=lambda o: (kept(o[0], tr.tokens, t) + 1) / _cost(costs, *o))
+                rate = lambda o: (kept(o[0], tr.tokens, t) + 1) / _cost(costs, *o)  # noqa: E731
+                proposal, decodes = max(options.values(), key=rate)
             elif adaptive is not None:
                 n = min(adaptive.choose(), room)
                 found = lookup.find(tr.tokens[:t], n) if n else []
