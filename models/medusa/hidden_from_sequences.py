@@ -2,7 +2,7 @@
 
 Generating answers is the slow part of collecting Medusa data; the demo draft's recipe already has the
 target's greedy answers. This re-reads them in one teacher-forced pass per sequence with hidden states on
-(prefill speed, no sampling) and writes the `--data` cache that `ggufspec medusa train` loads: per answer,
+(prefill speed, no sampling) for the hidden states and writes the `--data` cache that `ggufspec medusa train` loads: per answer,
 the last prompt token and the answer, each with the final-norm hidden state after it (`--whole`: every
 position; the prompt's text is then a label too, as in Medusa's training on ShareGPT), and the target's
 top-16 logits after each token, which `medusa train` uses as soft labels.
@@ -21,16 +21,15 @@ import numpy as np
 from ggufspec.decoder import DecoderOptions, LlamaCppDecoder
 from ggufspec.medusa_train import Corpus
 
-TOP_K = 16  # the target's top logits kept per position: soft labels for `medusa train`
-
-
-def sequences(path: str, whole: bool) -> list[tuple[int, np.ndarray]]:
-    """(where the kept part starts, tokens) per sequence: the answer (from the last prompt token), or all of it."""
+def sequences(path: str, whole: bool) -> list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
+    """(where the kept part starts, tokens, the target's top-16 ids and logits) per sequence: the answer
+    (from the last prompt token), or all of it. draft_data.py already kept the top-16: no need to redo them."""
     z = np.load(path)
     cuts = np.cumsum(z["lens"])[:-1]
+    rows = zip(z["plens"], *(np.split(z[k], cuts) for k in ("tokens", "idx", "val")))
     if whole:
-        return [(1, t) for t in np.split(z["tokens"], cuts) if len(t) > 3]
-    return [(int(p), t) for p, t in zip(z["plens"], np.split(z["tokens"], cuts)) if p > 0 and len(t) > p]
+        return [(1, t, i, v) for _, t, i, v in rows if len(t) > 3]
+    return [(int(p), t, i, v) for p, t, i, v in rows if p > 0 and len(t) > p]
 
 
 def main() -> None:
@@ -43,19 +42,18 @@ def main() -> None:
                     help="Keep prompt positions too (their text as labels), and draft_data.py --corpus files.")
     args = ap.parse_args()
     seqs = [s for path in args.data for s in sequences(path, args.whole)]
-    longest = max(len(t) for _, t in seqs)
+    longest = max(len(s[1]) for s in seqs)
     dec = LlamaCppDecoder(args.target, DecoderOptions(n_ctx=longest + 8, n_batch=longest + 8, embeddings=True,
                                                       n_threads=args.threads))
     corpus, t0 = Corpus([], [], [], []), time.time()
     try:
-        for i, (plen, toks) in enumerate(seqs):
+        for i, (plen, toks, top_ids, top_logits) in enumerate(seqs):
             dec.reset()
-            logits = dec.feed(toks.tolist())[plen - 1:, : dec.n_vocab]
-            top = np.argpartition(-logits, TOP_K, axis=1)[:, :TOP_K]
+            dec.feed(toks.tolist(), view=True)  # all rows, for their hidden states
             corpus.tokens.append(toks[plen - 1:].astype(np.int32))
             corpus.hidden.append(dec.hidden_states()[plen - 1:].astype(np.float16))
-            corpus.top_ids.append(top.astype(np.int32))
-            corpus.top_logits.append(np.take_along_axis(logits, top, axis=1).astype(np.float16))
+            corpus.top_ids.append(top_ids[plen - 1:].astype(np.int32))
+            corpus.top_logits.append(top_logits[plen - 1:].astype(np.float16))
             if i % 100 == 0:
                 print(f"{i}/{len(seqs)} sequences, {corpus.n_tokens} tokens, {time.time() - t0:.0f} s", file=sys.stderr)
     finally:
