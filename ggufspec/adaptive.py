@@ -1,8 +1,9 @@
 """How many tokens to draft: a cost model measured on this machine, and the acceptance seen so far.
 
-On CPUs the target's cost for a batch of n tokens is far from n times one token (llama.cpp
-repacks Q4_0 and Q8_0 for small batches, Q4_0 best at multiples of 4 tokens; Q4_1 costs nearly
-n times), so the best draft length is found by measuring, not assumed.
+On CPUs the target's cost for a batch of n tokens is far from n times one token, and it depends
+on the CPU as much as on the weight type (llama.cpp repacks Q4_0 and Q8_0 for small batches: a
+4-token batch measured here at 1.6 decodes on one machine and 2.6 on an AVX2-only one), so the
+best draft length is found by measuring, not assumed.
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
-
 from .decoder import Decoder, LlamaCppDecoder
+from .drafters import LookupDrafter, ModelDrafter
 
 PROBE_EVERY = 16  # plain steps before the first probe while speculation is off; doubled after each failed one
 PROBE_EVERY_MAX = 128
-OPTIMISTIC = 0.9  # no probing when even drafts kept this often would not pay (verifying k costs ~k decodes)
+OPTIMISTIC = 0.9  # probes are made only if drafts kept this often would beat plain decoding
+PROBE_GAIN = 1.1  # by this factor: a probe costs a step or two, which a gain of a few percent never repays
+MIN_GAIN = 1.05  # drafting only when expected to beat plain decoding by this factor
 
 
 @dataclass
@@ -30,26 +32,32 @@ class CostModel:
     verify: list[float]
     draft: float
 
-    def expected_rate(self, k: int, acceptance: float | Sequence[float]) -> float:
+    def expected_rate(self, k: int, acceptance: float | Sequence[float], free: bool = False) -> float:
         """Committed tokens per second with k drafts; acceptance[i]: chance draft i is kept once judged
-        (a single number: the same at every position)."""
-        a = [acceptance] * k if isinstance(acceptance, (int, float)) else list(acceptance)[:k]
-        tokens = 1 + float(np.cumprod(a).sum()) if k else 1.0
-        return tokens / (k * self.draft + self.verify[min(k, len(self.verify) - 1)])
+        (a single number: the same at every position). free: the drafts cost nothing (prompt lookup)."""
+        a = [acceptance] * k if isinstance(acceptance, (int, float)) else acceptance[:k]
+        tokens = kept = 1.0
+        for x in a:  # plain Python: called several times a step, where numpy's call overhead would show
+            kept *= x
+            tokens += kept
+        return tokens / (k * (0.0 if free else self.draft) + self.verify[min(k, len(self.verify) - 1)])
 
-    def best_k(self, acceptance: float | Sequence[float], k_max: int, k_min: int = 0) -> int:
-        return max(range(k_min, k_max + 1), key=lambda k: self.expected_rate(k, acceptance))
+    def best_k(self, acceptance: float | Sequence[float], k_max: int, k_min: int = 0, free: bool = False) -> int:
+        return max(range(k_min, k_max + 1), key=lambda k: self.expected_rate(k, acceptance, free))
 
     def observe(self, n_verify: int, verify_s: float, draft_decodes: int, draft_s: float, weight: float = 0.2) -> None:
-        """Move toward what one step really cost: the batch size seen at `weight`, the others at half of it,
-        the draft at `weight` per decode.
+        """Move toward what one step really cost: the batch size seen at `weight`, the others at half of it
+        (all at `weight` after a plain step), the draft at `weight` per decode.
 
         A model measured while the machine was busy (or cached from another load) corrects itself in use.
+        Plain steps scale every size alike: they slow down as the context grows, and taking that as
+        batches getting relatively cheaper would switch drafting on where it does not pay.
         """
         if verify_s > 0:
             n = min(n_verify, len(self.verify)) - 1
             ratio = verify_s / self.verify[n]
-            self.verify = [v * ratio ** (weight if i == n else weight / 2) for i, v in enumerate(self.verify)]
+            others = weight if n == 0 else weight / 2
+            self.verify = [v * ratio ** (weight if i == n else others) for i, v in enumerate(self.verify)]
         if draft_decodes:
             self.draft += (1 - (1 - weight) ** draft_decodes) * (draft_s / draft_decodes - self.draft)
 
@@ -128,19 +136,22 @@ class FixedLength:
 
 
 class AdaptiveLength:
-    """Pick k each step to maximise expected tokens per second; k = 0 turns speculation off.
+    """Pick k each step to maximise expected tokens per second, drafting only for a gain of at least
+    MIN_GAIN; k = 0 turns speculation off.
 
     Acceptance is a running average per draft position (a draft that got its first token right
     tends to get the next one right too), carried from one generation to the next but pulled
     halfway back to the prior at each start, so every prompt gets a fair try. While off, a probe
     at the best non-zero length keeps the estimates alive: after PROBE_EVERY plain steps, twice
-    as long after each probe that kept nothing. A probe costs a bigger batch and a draft catching
-    up, so none is made when no acceptance could make drafting pay.
+    as long after each probe that did not pay for itself. A probe costs a bigger batch and a draft
+    catching up, so none is made when even good drafts would gain little (on CPUs where a batch of
+    4 costs ~2.6 decodes, as on the AVX2-only machines here, the best case is a few percent).
     """
 
     def __init__(self, costs: CostModel, k_max: int, prior: float = 0.7, memory: float = 0.95,
-                 target: LlamaCppDecoder | None = None, draft: LlamaCppDecoder | None = None) -> None:
-        self.costs, self.k_max, self.memory, self.prior = costs, k_max, memory, prior
+                 target: LlamaCppDecoder | None = None, draft: LlamaCppDecoder | None = None,
+                 free: bool = False) -> None:
+        self.costs, self.k_max, self.memory, self.prior, self.free = costs, k_max, memory, prior, free
         self.acceptance = [prior] * k_max
         self._off_steps, self._probe_every, self._probing = 0, PROBE_EVERY, False
         self._clocks = (target, draft)  # their decode counters time each step for costs.observe
@@ -159,23 +170,82 @@ class AdaptiveLength:
 
     def choose(self) -> int:
         self._start = self._read_clocks()
-        k = self.costs.best_k(self.acceptance, self.k_max)
+        k = self.costs.best_k(self.acceptance, self.k_max, free=self.free)
+        rate = self.costs.expected_rate
+        if k and rate(k, self.acceptance, self.free) < MIN_GAIN * rate(0, 0):
+            k = 0  # at break-even the estimate's noise decides, and a wrong guess costs more than it earns
         self._probing = False
-        if k == 0 and self.costs.best_k(OPTIMISTIC, self.k_max) > 0:
+        if k == 0:
             self._off_steps += 1
-            if self._off_steps >= self._probe_every:
+            if self._off_steps >= self._probe_every and self._worth_probing():
                 self._off_steps, self._probing = 0, True
-                return self.costs.best_k(self.acceptance, self.k_max, k_min=1)
+                return self.costs.best_k(self.acceptance, self.k_max, k_min=1, free=self.free)
         return k
+
+    def _worth_probing(self) -> bool:
+        k = self.costs.best_k(OPTIMISTIC, self.k_max, free=self.free)
+        rate = self.costs.expected_rate
+        return k > 0 and rate(k, OPTIMISTIC, self.free) >= PROBE_GAIN * rate(0, 0)
 
     def update(self, drafted: int, accepted: int) -> None:
         # tokens after the first rejection were never judged: they say nothing about acceptance
         for i in range(min(drafted, accepted + 1, self.k_max)):
             self.acceptance[i] = self.memory * self.acceptance[i] + (1 - self.memory) * (i < accepted)
-        if self._probing:
-            self._probe_every = PROBE_EVERY if accepted else min(2 * self._probe_every, PROBE_EVERY_MAX)
+        if self._probing:  # back off unless the probe itself beat a plain step
+            c = self.costs
+            spent = c.verify[min(drafted, len(c.verify) - 1)] + (0.0 if self.free else drafted * c.draft)
+            paid = (accepted + 1) * c.verify[0] >= spent
+            self._probe_every = PROBE_EVERY if paid else min(2 * self._probe_every, PROBE_EVERY_MAX)
         if self._clocks[0] is not None:
             (t0, d0, n0, k0), (t1, d1, n1, k1) = self._start, self._read_clocks()
             # a draft catching up on many tokens in one batch says little about one draft step
             steps = n1 - n0 if k1 - k0 <= n1 - n0 + 1 else 0
             self.costs.observe(drafted + 1, t1 - t0, steps, d1 - d0)
+
+
+class AutoDrafter:
+    """`auto`: prompt lookup when the text repeats itself and verifying its guess pays, else the draft
+    model when drafting pays, else a plain step; a Drafter and its own DraftLength.
+
+    Each source keeps its own acceptance, and lookup's guesses cost no draft decodes, so lookup can
+    pay on a machine where the draft model cannot.
+    """
+
+    def __init__(self, lookup: LookupDrafter, model: ModelDrafter | None, costs: CostModel, k_max: int,
+                 target: LlamaCppDecoder | None = None, draft: LlamaCppDecoder | None = None) -> None:
+        self.lookup, self.model, self.k_max = lookup, model, k_max
+        self.lookup_length = AdaptiveLength(costs, k_max, free=True)
+        self.model_length = AdaptiveLength(costs, k_max, target=target, draft=draft) if model is not None else None
+        self.source: AdaptiveLength | None = None  # whose proposal the target is judging
+
+    @property
+    def costs(self) -> CostModel:
+        return self.lookup_length.costs
+
+    def restart(self) -> AutoDrafter:
+        for length in (self.lookup_length, self.model_length):
+            if length is not None:
+                length.restart()
+        return self
+
+    def choose(self) -> int:
+        self.source = None
+        return self.k_max  # the source and length are picked in propose(), which sees the context
+
+    def propose(self, context, k, params, rng):
+        self.source = self.lookup_length
+        n = min(self.lookup_length.choose(), k)
+        if n:  # searched only when its guess would be verified: on a fast target the search shows
+            tokens, q = self.lookup.propose(context, n, params, rng)
+            if tokens:
+                return tokens, q
+        if self.model_length is not None:
+            self.source = self.model_length
+            n = min(self.model_length.choose(), k)
+            if n:
+                return self.model.propose(context, n, params, rng)
+        return [], None
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if self.source is not None:  # the last policy asked: it also times plain steps
+            self.source.update(drafted, accepted)

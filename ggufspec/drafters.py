@@ -1,4 +1,4 @@
-"""Where draft tokens come from: a draft model, n-gram lookup in the text so far, or both.
+"""Where draft tokens come from: a draft model, or n-gram lookup in the text so far (`auto` uses both).
 
 A drafter returns up to k tokens after `context` and, when sampling, the distribution q each
 was drawn from (one-hot rows for deterministic proposals, which keeps rejection sampling exact).
@@ -69,13 +69,3 @@ class LookupDrafter:
         q[np.arange(len(tokens)), tokens] = 1.0
         return tokens, q
 
-
-class LookupThenModel:
-    """Lookup first (free when the text repeats itself), the draft model when lookup finds nothing."""
-
-    def __init__(self, lookup: LookupDrafter, model: ModelDrafter) -> None:
-        self.lookup, self.model = lookup, model
-
-    def propose(self, context, k, params, rng):
-        tokens, q = self.lookup.propose(context, k, params, rng)
-        return (tokens, q) if tokens else self.model.propose(context, k, params, rng)

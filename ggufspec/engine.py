@@ -12,10 +12,10 @@ from typing import Literal
 
 import numpy as np
 
-from .adaptive import AdaptiveLength, CostModel, FixedLength, cached_measure
+from .adaptive import AutoDrafter, CostModel, FixedLength, cached_measure
 from .chat import Message, render_chat
 from .decoder import DecoderOptions, LlamaCppDecoder
-from .drafters import LookupDrafter, LookupThenModel, ModelDrafter
+from .drafters import LookupDrafter, ModelDrafter
 from .errors import ContextLengthError, GGUFSpecError
 from .gguf_check import read_header
 from .memory import check_memory
@@ -88,7 +88,7 @@ class SpeculativeEngine:
         self.last_result: GenerationResult | None = None
         self.medusa: Heads | None = None  # set by load(medusa_path=...)
         self._costs: CostModel | None = None
-        self._policies: dict[bool, AdaptiveLength] = {}  # auto's, kept across generations: what they learned
+        self._policies: dict[bool, AutoDrafter] = {}  # auto's, kept across generations: what they learned
         self._lock = threading.Lock()
         self._closed = False
 
@@ -244,12 +244,12 @@ class SpeculativeEngine:
             return lookup, FixedLength(s.draft_max)
         if self._costs is None or len(self._costs.verify) < s.draft_max + 1:
             self._costs = cached_measure(self.target, draft, s.draft_max)
-        drafter = LookupThenModel(lookup, model) if model is not None else lookup
-        key = model is not None  # acceptance learned with the draft model differs from lookup's alone
-        policy = self._policies.get(key)
-        if policy is None or policy.k_max != s.draft_max or policy.costs is not self._costs:
-            policy = self._policies[key] = AdaptiveLength(self._costs, s.draft_max, target=self.target, draft=draft)
-        return drafter, policy.restart()
+        key = model is not None
+        auto = self._policies.get(key)
+        if auto is None or auto.k_max != s.draft_max or auto.costs is not self._costs:
+            auto = self._policies[key] = AutoDrafter(lookup, model, self._costs, s.draft_max, self.target, draft)
+        auto.lookup, auto.model = lookup, model  # this generation's settings (draft_p_min)
+        return auto, auto.restart()
 
     def reset(self) -> None:
         """Empty both KV caches: the next generation prefills from scratch (no prefix reuse)."""

@@ -14,12 +14,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .adaptive import AdaptiveLength, CostModel
+from .adaptive import AutoDrafter, CostModel
 from .bench import BenchPrompt
 from .drafters import LookupDrafter
 from .engine import GenerationSettings, SpeculativeEngine
+from .sampling import SamplingParams
 
 POLICIES = ("autoregressive", "vanilla", "lookup", "auto", "oracle")
+GREEDY = SamplingParams(temperature=0.0)
 
 
 @dataclass
@@ -85,11 +87,14 @@ def replay(traces: Iterable[Trace], costs: CostModel, policy: str, k: int, max_t
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}: one of {', '.join(POLICIES)}")
     lookup = LookupDrafter(n_vocab=0)
-    adaptive = AdaptiveLength(CostModel(list(costs.verify), costs.draft), k) if policy == "auto" else None
+    auto = None
+    if policy == "auto":
+        auto = AutoDrafter(lookup, _Guesses([]), CostModel(list(costs.verify), costs.draft), k)
     total = Replay()
     for tr in traces:
-        if adaptive is not None:
-            adaptive.restart()
+        if auto is not None:
+            auto.model = _Guesses(tr.guess)
+            auto.restart()
         t, end = tr.prompt_len, min(len(tr.tokens), tr.prompt_len + max_tokens)
         while t < end:
             room = min(k, end - t - 1)  # as the engine does: never draft past the token limit
@@ -102,20 +107,31 @@ def replay(traces: Iterable[Trace], costs: CostModel, policy: str, k: int, max_t
             if policy == "oracle":
                 rate = lambda o: (kept(o[0], tr.tokens, t) + 1) / _cost(costs, *o)  # noqa: E731
                 proposal, decodes = max(options.values(), key=rate)
-            elif adaptive is not None:
-                n = min(adaptive.choose(), room)
-                found = lookup.find(tr.tokens[:t], n) if n else []
-                proposal, decodes = (found, 0) if found else (model[:n], n)
+            elif auto is not None:
+                auto.choose()
+                proposal = auto.propose(tr.tokens[:t], room, GREEDY, None)[0] if room else []
+                decodes = len(proposal) if auto.source is auto.model_length else 0
             else:
                 proposal, decodes = options[policy]
             n_kept = kept(proposal, tr.tokens, t)
-            if adaptive is not None:
-                adaptive.update(len(proposal), n_kept)
+            if auto is not None:
+                auto.update(len(proposal), n_kept)
             total.seconds += _cost(costs, proposal, decodes)
             total.tokens += min(n_kept + 1, end - t)
             total.passes += 1
             t += n_kept + 1
     return total
+
+
+class _Guesses:
+    """The draft model, replayed: its recorded guesses along the trace (right until the first miss)."""
+
+    def __init__(self, guess: list[int]) -> None:
+        self.guess = guess
+
+    def propose(self, context, k, params, rng):
+        t = len(context)
+        return [self.guess[i] if i < len(self.guess) else -1 for i in range(t - 1, t - 1 + k)], None
 
 
 def _cost(costs: CostModel, proposal: list[int], decodes: int) -> float:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ggufspec.adaptive import PROBE_EVERY, AdaptiveLength, CostModel, measure
-from ggufspec.drafters import LookupDrafter
+from ggufspec.adaptive import MIN_GAIN, PROBE_EVERY, AdaptiveLength, AutoDrafter, CostModel, measure
+from ggufspec.drafters import LookupDrafter, ModelDrafter
 from ggufspec.sampling import SamplingParams
 
 from conftest import open_decoder
@@ -101,3 +101,59 @@ def test_failed_probes_back_off_and_linear_targets_are_never_probed() -> None:
     linear = CostModel(verify=[0.045 * n for n in range(1, 6)], draft=0.008)  # like Q8_0: drafting cannot pay
     policy = AdaptiveLength(linear, k_max=4)
     assert not any(policy.choose() for _ in range(200))
+
+
+# Measured on an AVX2-only 2-core machine here (ms): a 4-token batch costs 2.6 decodes of the benchmark target
+AVX2 = CostModel(verify=[0.0539, 0.0980, 0.1398, 0.1405], draft=0.0103)
+
+
+def test_no_probes_where_even_good_drafts_would_gain_little() -> None:
+    # drafts kept 90% of the time would earn 6% here: a failed probe costs far more than that
+    assert AVX2.expected_rate(3, 0.9) / AVX2.expected_rate(0, 0) < 1.1
+    policy = AdaptiveLength(AVX2, k_max=3)
+    assert not any(policy.choose() for _ in range(300))
+    # lookup's guesses cost no draft decodes: at 90% they would earn 30%, so lookup is still tried
+    lookup = AdaptiveLength(AVX2, k_max=3, free=True)
+    assert AVX2.expected_rate(3, 0.9, free=True) / AVX2.expected_rate(0, 0) > 1.25
+    assert any(lookup.choose() for _ in range(300))
+
+
+def test_auto_uses_lookup_where_the_draft_model_cannot_pay(tiny_target, tiny_draft) -> None:
+    greedy, rng = SamplingParams(), np.random.default_rng(0)
+    with open_decoder(tiny_draft) as d:
+        costs = CostModel(list(AVX2.verify), AVX2.draft)
+        auto = AutoDrafter(LookupDrafter(d.n_vocab), ModelDrafter(d, d.n_vocab), costs, 3)
+        auto.lookup_length.acceptance = [0.95] * 3  # lookup has been right: verifying its guesses pays
+        repeat = [5, 6, 7, 8, 9] * 4
+        assert auto.choose() == 3
+        assert auto.propose(repeat, 3, greedy, rng)[0] == [5, 6, 7] and auto.source is auto.lookup_length
+        auto.update(3, 0)
+        # no earlier match: the draft model, which cannot pay here, is not run; a plain step
+        assert auto.choose() == 3 and auto.propose([11, 12, 13, 14], 3, greedy, rng) == ([], None)
+        assert auto.source is auto.model_length and d.n_decodes == 0
+        auto.update(0, 0)
+        # where the draft model pays (a Q4_0 target on an AVX-512 machine here), it drafts
+        fast = CostModel([0.082, 0.138, 0.194, 0.131], 0.012)
+        auto = AutoDrafter(LookupDrafter(d.n_vocab), ModelDrafter(d, d.n_vocab), fast, 3)
+        auto.model_length.acceptance = [0.8] * 3
+        auto.choose()
+        tokens, _ = auto.propose([11, 12, 13, 14], 3, greedy, rng)
+        assert len(tokens) == 3 and auto.source is auto.model_length and d.n_decodes > 0
+
+
+def test_no_drafting_at_break_even_and_probes_must_pay_for_themselves() -> None:
+    lookup = AdaptiveLength(AVX2, k_max=3, free=True)
+    lookup.acceptance = [0.74] * 3  # verifying 3 lookup tokens would gain 3%: not worth the risk
+    gain = AVX2.expected_rate(3, 0.74, free=True) / AVX2.expected_rate(0, 0)
+    assert AVX2.best_k(0.74, 3, free=True) == 3 and 1 < gain < MIN_GAIN
+    assert lookup.choose() == 0
+    lookup = AdaptiveLength(AVX2, k_max=3, free=True)  # at its prior, off but probing with 3 tokens
+    gaps, since = [], 0
+    for _ in range(200):
+        k = lookup.choose()
+        since += 1
+        if k:
+            gaps.append((since, k))
+            since = 0
+        lookup.update(k, 1 if k else 0)  # each probe keeps one token: 2 tokens for 2.6 decodes, a loss
+    assert gaps[:3] == [(PROBE_EVERY, 3), (2 * PROBE_EVERY, 3), (4 * PROBE_EVERY, 3)]
