@@ -47,17 +47,20 @@ class CostModel:
 
     def observe(self, n_verify: int, verify_s: float, draft_decodes: int, draft_s: float, weight: float = 0.2) -> None:
         """Move toward what one step really cost: the batch size seen at `weight`, the others at half of it
-        (all at `weight` after a plain step), the draft at `weight` per decode.
+        (after a plain step: every size and the draft at `weight`), the draft at `weight` per decode.
 
         A model measured while the machine was busy (or cached from another load) corrects itself in use.
-        Plain steps scale every size alike: they slow down as the context grows, and taking that as
-        batches getting relatively cheaper would switch drafting on where it does not pay.
+        Plain steps scale every cost alike: they slow down as the context grows (the draft's too), and
+        taking that as batches or drafts getting relatively cheaper would switch drafting on where it
+        does not pay.
         """
         if verify_s > 0:
             n = min(n_verify, len(self.verify)) - 1
             ratio = verify_s / self.verify[n]
             others = weight if n == 0 else weight / 2
             self.verify = [v * ratio ** (weight if i == n else others) for i, v in enumerate(self.verify)]
+            if n == 0 and not draft_decodes:
+                self.draft *= ratio ** weight
         if draft_decodes:
             self.draft += (1 - (1 - weight) ** draft_decodes) * (draft_s / draft_decodes - self.draft)
 

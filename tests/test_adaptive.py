@@ -157,3 +157,13 @@ def test_no_drafting_at_break_even_and_probes_must_pay_for_themselves() -> None:
             since = 0
         lookup.update(k, 1 if k else 0)  # each probe keeps one token: 2 tokens for 2.6 decodes, a loss
     assert gaps[:3] == [(PROBE_EVERY, 3), (2 * PROBE_EVERY, 3), (4 * PROBE_EVERY, 3)]
+
+
+def test_plain_steps_slowing_with_the_context_do_not_make_drafting_look_cheaper() -> None:
+    costs = CostModel(list(AVX2.verify), AVX2.draft)
+    for _ in range(50):  # plain steps at a long context: 30% slower than measured
+        costs.observe(1, AVX2.verify[0] * 1.3, 0, 0.0)
+    assert costs.verify[0] == pytest.approx(AVX2.verify[0] * 1.3, rel=1e-3)
+    assert [v / costs.verify[0] for v in costs.verify] == pytest.approx([v / AVX2.verify[0] for v in AVX2.verify])
+    assert costs.draft / costs.verify[0] == pytest.approx(AVX2.draft / AVX2.verify[0])
+    assert not any(AdaptiveLength(costs, k_max=3).choose() for _ in range(300))  # still no probes
