@@ -7,7 +7,6 @@ import struct
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -261,16 +260,6 @@ def write_tiny_model(
             weight_map.update({n: fname for n in part})
         (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return cfg
-
-
-def find_smollm2_gguf() -> Path:
-    """The real SmolLM2-135M-Instruct GGUF that `.ci/run` fetches (GGUFSPEC_TEST_MODEL overrides)."""
-    from conftest import SMOLLM2
-
-    if not SMOLLM2.is_file():
-        pytest.fail(f"{SMOLLM2} is missing: run `bash .ci/run` once (it fetches the demo model), "
-                    "or set GGUFSPEC_TEST_MODEL to SmolLM2-135M-Instruct.Q4_1.gguf")
-    return SMOLLM2
 
 
 def spm_tokenizer_json(folder: Path) -> None:

@@ -14,7 +14,7 @@ pytest.importorskip("tokenizers")
 from gguf import GGUFReader, TokenType  # noqa: E402
 
 from convert_fixtures import (  # noqa: E402
-    CHAT_TEMPLATE, find_smollm2_gguf, train_bpe_tokenizer, train_spm_tokenizer, write_tiny_model,
+    CHAT_TEMPLATE, train_bpe_tokenizer, train_spm_tokenizer, write_tiny_model,
 )
 from ggufspec.convert import hf, reference  # noqa: E402
 from ggufspec.convert.hf import convert_hf  # noqa: E402
@@ -142,8 +142,8 @@ def test_config_vocab_larger_than_tokenizer_is_padded(tmp_path: Path) -> None:
     assert rel_err(llama_logits(out, toks), reference.forward(folder, toks)) < REL_TOL
 
 
-def test_vocab_from_gguf(tmp_path: Path) -> None:
-    src = find_smollm2_gguf()
+def test_vocab_from_gguf(tmp_path: Path, smollm2_path: Path) -> None:
+    src = smollm2_path
     folder = tmp_path / "hf"
     write_tiny_model(folder, "llama", 49152, hidden=32, layers=1, heads=2, kv_heads=1, ffn=32, tied=True)
     out = tmp_path / "draft.gguf"

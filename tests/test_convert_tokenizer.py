@@ -10,7 +10,7 @@ llama_cpp = pytest.importorskip("llama_cpp")
 tokenizers = pytest.importorskip("tokenizers")
 
 from convert_fixtures import (  # noqa: E402
-    TOKENIZER_CORPUS, bpe_from_gguf, find_smollm2_gguf, spm_tokenizer_json, train_bpe_tokenizer,
+    TOKENIZER_CORPUS, bpe_from_gguf, spm_tokenizer_json, train_bpe_tokenizer,
     train_spm_tokenizer, write_tiny_model,
 )
 from ggufspec.convert.hf import convert_hf  # noqa: E402
@@ -41,9 +41,9 @@ def test_trained_bpe_tokenizes_like_tokenizers(tmp_path: Path, pre: str) -> None
     assert mismatches(llm, lambda t: tk.encode(t, add_special_tokens=False).ids) == []
 
 
-def test_real_smollm2_bpe_tokenizes_like_tokenizers(tmp_path: Path) -> None:
+def test_real_smollm2_bpe_tokenizes_like_tokenizers(tmp_path: Path, smollm2_path: Path) -> None:
     """A real 49k-token vocabulary and merge list (SmolLM2's), rebuilt as tokenizer.json, then converted."""
-    src = find_smollm2_gguf()
+    src = smollm2_path
     n = bpe_from_gguf(tmp_path, src)
     llm = convert_vocab(tmp_path, n)
     tk = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
