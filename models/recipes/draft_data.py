@@ -70,7 +70,27 @@ converts Celsius to Fahrenheit; finds the common elements of two lists; returns 
 flattens a nested list; computes the greatest common divisor of two numbers; parses a CSV line;
 implements binary search; counts word frequencies in a text; validates an email address""".replace("\n", " ")
 LANGS = ["French", "German", "Spanish", "Italian", "Chinese", "Japanese"]
-
+QA = [
+    "What is {t}?", "Who first studied {t}?", "When did people start to understand {t}?", "Why is {t} important?",
+    "Where can I learn more about {t}?", "What is the most surprising thing about {t}?", "How does {t} work?",
+    "What is one common misconception about {t}?",
+]
+PERSONAS = """a pirate captain; Sherlock Holmes; a medieval knight; Albert Einstein; Marie Curie; a friendly robot;
+a famous chef; a space explorer on Mars; a wise old wizard; a sports coach; a detective from the 1920s;
+Leonardo da Vinci; a startup founder; a museum guide; a kindergarten teacher; a travel blogger""".replace("\n", " ")
+ROLEPLAY = [
+    "Pretend yourself to be {p} in all the following conversations. Speak like {p} as much as possible. What do you think of {t}?",
+    "Act as {p}. Tell me about your day and how {t} was part of it.", "Imagine you are {p}. Give me advice about {t}.",
+]
+# Follow-ups: the target's own answers to these become the input of a second prompt, so summaries,
+# passages with questions, and German-to-English translation have text to work on without any corpus.
+ARTICLE = ["Write a news article about {t}.", "Write a detailed report on recent developments in {t}."]
+GERMAN = "Translate the following sentence into German: {s}"
+FOLLOW_UPS = {
+    "article": ["Summarize: {x}", "{x}\n\nBased on the passage above, what is the main point?",
+                "Read the passage and answer the question.\n\nPassage: {x}\n\nQuestion: Who or what is it about?"],
+    "german": ["Translate German to English: {x}"],
+}
 
 def _split(s: str) -> list[str]:
     return [x.strip() for x in s.split(";") if x.strip()]
@@ -119,53 +139,76 @@ def code_prompts(rng: random.Random, n: int) -> list[str]:
     return out[:n]
 
 
-def make_prompts(rng: random.Random, template: str, docs: list[str]) -> list[tuple[str, str]]:
-    """(kind, text) pairs; chat prompts are rendered with the target's template, code completions stay plain."""
+def make_prompts(rng: random.Random, template: str, docs: list[str], per_topic: int = 6,
+                 n_math: int = 150) -> list[tuple[str, str]]:
+    """(kind, text) pairs; chat prompts are rendered with the target's template, code completions stay plain.
+    Kinds "article" and "german" get follow-up prompts made from their answers (FOLLOW_UPS)."""
     topics = _split(TOPICS)
     chats: list[str] = []
+    kinds: list[str] = []
     for t in topics:
-        for task in rng.sample(TASKS, 6):
+        for task in rng.sample(TASKS, min(per_topic, len(TASKS))):
             chats.append(task.format(t=t, u=rng.choice(topics)))
-    for _ in range(150):
+        for task in rng.sample(QA, min(per_topic // 2, len(QA))):
+            chats.append(task.format(t=t))
+        chats.append(rng.choice(ROLEPLAY).format(p=rng.choice(_split(PERSONAS)), t=t))
+    kinds += ["chat"] * len(chats)
+    for t in topics:
+        for task in ARTICLE:
+            chats.append(task.format(t=t))
+            kinds.append("article")
+    for _ in range(n_math):
         a, b, c, p = rng.randint(2, 99), rng.randint(2, 60), rng.randint(60, 500), rng.choice([10, 15, 20, 25, 30, 40, 50])
         chats.append(rng.choice(MATH).format(a=a, b=b, c=c, p=p))
+        kinds.append("chat")
     for c in _split(CODE_TASKS):
         for task in rng.sample(CODE, 3):
             chats.append(task.format(c=c))
+            kinds.append("chat")
     for d in docs:
         first = d.split("\n\n")[0].replace("\n", " ")
-        kind = rng.random()
-        if kind < 0.35:
+        sent = first.split(". ")[0][:200]
+        kind, r = "chat", rng.random()
+        if r < 0.25:
             chats.append(f"Summarize the following text:\n\n{d}")
-        elif kind < 0.6:
+        elif r < 0.4:
             chats.append(f"{d}\n\nBased on the text above, what is the main purpose described?")
-        elif kind < 0.8:
-            sent = first.split(". ")[0][:200]
+        elif r < 0.5:
             chats.append(f"Translate the following sentence into {rng.choice(LANGS)}: {sent}")
+        elif r < 0.65:
+            chats.append(GERMAN.format(s=sent))
+            kind = "german"
+        elif r < 0.8:
+            chats.append(f"Extract the key terms from the following text and give a one-line definition of each:\n\n{d}")
         else:
             chats.append(f"Read the passage and answer the question.\n\nPassage: {d}\n\nQuestion: What does this describe, and how is it used?")
-    out = [("chat", render_chat(template, [{"role": "user", "content": c}])) for c in chats]
-    return out
+        kinds.append(kind)
+    return [(k, render_chat(template, [{"role": "user", "content": c}])) for k, c in zip(kinds, chats)]
 
 
 class Generator:
     """Continuous-batched greedy decoding of many prompts with top-k logits kept for every position."""
 
-    def __init__(self, path: str, n_seq: int, seq_len: int, n_batch: int = 512) -> None:
+    def __init__(self, path: str, n_seq: int, seq_len: int, n_batch: int = 512, threads: int = 1,
+                 hidden: bool = False) -> None:
         # Own context, not LlamaCppDecoder's: a unified KV cache makes every token attend over all sequences'
         # cells, which at 32 sequences costs more than the model; split streams keep attention per sequence.
         self.dec = LlamaCppDecoder(path, DecoderOptions(n_ctx=256, n_batch=64))
         cp = llama_cpp.llama_context_default_params()
         cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = n_seq * seq_len, n_batch, n_batch, n_seq
         cp.kv_unified, cp.no_perf = False, True
-        cp.n_threads = cp.n_threads_batch = 1  # two spinning threads stall badly on a busy 2-core machine
+        # 1 by default: two spinning threads stall badly on a busy 2-core machine; run two processes instead
+        cp.n_threads = cp.n_threads_batch = threads
+        if hidden:  # final-norm hidden states from the same decode: Medusa's training data, at no extra pass
+            cp.embeddings, cp.pooling_type = True, llama_cpp.LLAMA_POOLING_TYPE_NONE
+        self.hidden = hidden
         self.ctx = llama_cpp.llama_init_from_model(self.dec._model, cp)
         self.mem, self.vocab = llama_cpp.llama_get_memory(self.ctx), self.dec.vocab
         self.n_seq, self.seq_len, self.n_batch = n_seq, seq_len, n_batch
         self.batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
 
-    def _decode(self, items: list[tuple[int, int, int, bool]]) -> np.ndarray:
-        """items: (token, pos, seq, want_logits); returns the logits rows of the flagged items in order."""
+    def _decode(self, items: list[tuple[int, int, int, bool]]) -> tuple[np.ndarray, np.ndarray | None]:
+        """items: (token, pos, seq, want_logits); the logits (and hidden states) rows of the flagged items."""
         b = self.batch
         for i, (tok, pos, seq, want) in enumerate(items):
             b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, pos, 1, want
@@ -176,13 +219,18 @@ class Generator:
             raise RuntimeError(f"llama_decode failed: {rc}")
         n_out = sum(1 for it in items if it[3])
         ptr = llama_cpp.llama_get_logits(self.ctx)
-        return np.ctypeslib.as_array(ptr, shape=(n_out, self.dec.n_vocab))
+        logits = np.ctypeslib.as_array(ptr, shape=(n_out, self.dec.n_vocab))
+        if not self.hidden:
+            return logits, None
+        hid = np.ctypeslib.as_array(llama_cpp.llama_get_embeddings(self.ctx), shape=(n_out, self.dec.n_embd))
+        return logits, hid.astype(np.float16)
 
     def run(self, prompts: list[list[int]], max_new: int, deadline: float, sample_temp: float = 0.0,
             stop_ids: set[int] | None = None, rng: np.random.Generator | None = None):
-        """Yield (prompt_len, tokens, topk_idx, topk_val) per finished sequence until prompts or time run out."""
+        """Yield (prompt_len, tokens, topk_idx, topk_val, hidden or None) per finished sequence until prompts or
+        time run out; `prompts` may grow while this runs (follow-up prompts)."""
         stop_ids = stop_ids or {self.vocab.eos}
-        queue = list(reversed(prompts))
+        queue = prompts  # popped from the end
         slots: list[dict | None] = [None] * self.n_seq
         while True:
             items: list[tuple[int, int, int, bool]] = []
@@ -197,7 +245,7 @@ class Generator:
                         continue
                     budget -= len(p)
                     llama_cpp.llama_memory_seq_rm(self.mem, s, -1, -1)
-                    st = slots[s] = {"toks": list(p), "plen": len(p), "idx": [], "val": [], "fed": 0}
+                    st = slots[s] = {"toks": list(p), "plen": len(p), "idx": [], "val": [], "hid": [], "fed": 0}
                 if st is None:
                     continue
                 for j in range(st["fed"], len(st["toks"])):
@@ -206,7 +254,7 @@ class Generator:
                 st["fed"] = len(st["toks"])
             if not items:
                 return
-            logits = self._decode(items)
+            logits, hid = self._decode(items)
             idx = np.argpartition(-logits, TOP_K, axis=1)[:, :TOP_K]
             val = np.take_along_axis(logits, idx, axis=1)
             order = np.argsort(-val, axis=1)
@@ -215,6 +263,8 @@ class Generator:
             for r, (s, j) in enumerate(owners):
                 slots[s]["idx"].append(idx[r])
                 slots[s]["val"].append(val[r])
+                if hid is not None:
+                    slots[s]["hid"].append(hid[r])
                 last[s] = r
             for s, r in last.items():
                 st = slots[s]
@@ -227,7 +277,7 @@ class Generator:
                 n_new = len(st["toks"]) - st["plen"]
                 if nxt in stop_ids or n_new >= max_new:
                     yield st["plen"], np.array(st["toks"], np.int32), np.array(st["idx"], np.int32), \
-                        np.array(st["val"], np.float16)
+                        np.array(st["val"], np.float16), np.array(st["hid"]) if st["hid"] else None
                     slots[s] = None
                     llama_cpp.llama_memory_seq_rm(self.mem, s, -1, -1)
                 else:
@@ -247,7 +297,7 @@ def corpus(gen: Generator, rng: random.Random, deadline: float, out: str, t0: fl
         chunks += [ids[i : i + 384] for i in range(0, len(ids) - 64, 384)]
     rng.shuffle(chunks)
     seqs, n_tok = [], 0
-    for _, toks, idx, val in gen.run(chunks, 1, deadline, 0.0, {-1}):
+    for _, toks, idx, val, _ in gen.run(list(reversed(chunks)), 1, deadline, 0.0, {-1}):
         seqs.append((toks[:-1], idx[:-1], val[:-1]))
         n_tok += len(toks) - 1
         if len(seqs) % 20 == 0:
@@ -258,65 +308,93 @@ def corpus(gen: Generator, rng: random.Random, deadline: float, out: str, t0: fl
     print(f"wrote {out}: {len(seqs)} chunks, {n_tok} tokens in {time.time() - t0:.0f} s", flush=True)
 
 
+def save(out: str, seqs: list[tuple], t0: float) -> None:
+    """One npz: per sequence its prompt length and tokens, top-k ids/logits (and hidden states) per position."""
+    plens = np.array([q[0] for q in seqs], np.int32)
+    lens = np.array([len(q[1]) for q in seqs], np.int32)
+    arrays = dict(plens=plens, lens=lens, tokens=np.concatenate([q[1] for q in seqs]),
+                  idx=np.concatenate([q[2] for q in seqs]), val=np.concatenate([q[3] for q in seqs]))
+    if seqs[0][4] is not None:
+        arrays["hidden"] = np.concatenate([q[4] for q in seqs])
+    np.savez(out, **arrays)
+    print(f"wrote {out}: {len(seqs)} sequences, {int(lens.sum())} tokens ({int((lens - plens).sum())} generated) "
+          f"in {time.time() - t0:.0f} s", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("target")
     ap.add_argument("out")
     ap.add_argument("--minutes", type=float, default=20.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--shard", default="0/1", help="K/N: this process takes every N-th prompt from K (run N side by side).")
     ap.add_argument("--n-seq", type=int, default=16)
     ap.add_argument("--max-new", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--per-topic", type=int, default=6, help="Task templates per topic (at most 20).")
+    ap.add_argument("--docs", type=int, default=400, help="Standard-library docstrings to make prompts from.")
+    ap.add_argument("--self-prompts", type=int, default=200, help="User turns sampled from the target itself.")
+    ap.add_argument("--save-every", type=float, default=20.0, help="Minutes between saves of what is done so far.")
+    ap.add_argument("--hidden", action="store_true",
+                    help="Also keep the final-norm hidden state at every position (Medusa data; 1.1 kB a token).")
     ap.add_argument("--corpus", action="store_true",
                     help="Instead: the target's top-k logits over local text (standard-library source and docstrings).")
     args = ap.parse_args()
-    rng = random.Random(args.seed)
-    nrng = np.random.default_rng(args.seed)
+    shard, n_shards = (int(x) for x in args.shard.split("/"))
+    rng = random.Random(args.seed)  # the same prompt list in every shard; each takes its own slice
+    nrng = np.random.default_rng(args.seed * 1000 + shard)
     t0 = time.time()
     deadline = t0 + args.minutes * 60
-    gen = Generator(args.target, args.n_seq, 1024)
+    gen = Generator(args.target, args.n_seq, 1024, threads=args.threads, hidden=args.hidden)
     vocab = gen.vocab
     template = gen.dec.metadata("tokenizer.chat_template")
     im_end = vocab.tokenize("<|im_end|>", add_special=False, parse_special=True)
     stops = {vocab.eos, *im_end}
     tok = lambda s: vocab.tokenize(s, add_special=False, parse_special=True)  # noqa: E731
+    text_of = lambda ids: b"".join(vocab.piece(int(t)) for t in ids).decode("utf-8", "replace").replace("<|im_end|>", "").strip()  # noqa: E731
 
     if args.corpus:
         return corpus(gen, rng, deadline, args.out, t0)
     # 1) user turns the target samples itself (temperature 1), for variety beyond the templates.
     head = render_chat(template, [{"role": "user", "content": "X"}]).split("X")[0]
     self_prompts: list[str] = []
-    for plen, toks, _, _ in gen.run([tok(head)] * 200, 60, t0 + args.minutes * 60 * 0.08, 1.0, stops, nrng):
-        text = vocab.detokenize(toks[plen:].tolist()) if hasattr(vocab, "detokenize") else None
-        if text is None:
-            text = b"".join(vocab.piece(int(t)) for t in toks[plen:]).decode("utf-8", "replace")
-        text = text.replace("<|im_end|>", "").strip()
-        if len(text) > 15:
+    for plen, toks, *_ in gen.run([tok(head)] * args.self_prompts, 60, t0 + args.minutes * 60 * 0.08, 1.0, stops, nrng):
+        if len(text := text_of(toks[plen:])) > 15:
             self_prompts.append(text)
     print(f"{len(self_prompts)} self-sampled prompts in {time.time() - t0:.0f} s", flush=True)
 
-    docs = local_docs(rng, 400)
-    prompts = make_prompts(rng, template, docs)
-    prompts += [("chat", render_chat(template, [{"role": "user", "content": p}])) for p in self_prompts]
-    prompts += [("code", c) for c in code_prompts(rng, 500)]
+    docs = local_docs(rng, args.docs)
+    prompts = make_prompts(rng, template, docs, args.per_topic, n_math=25 * args.per_topic)
+    prompts += [("code", c) for c in code_prompts(rng, 50 * args.per_topic)]
     rng.shuffle(prompts)
-    print(f"{len(prompts)} prompts", flush=True)
+    prompts = prompts[shard::n_shards]
+    prompts += [("chat", render_chat(template, [{"role": "user", "content": p}])) for p in self_prompts]
+    rng.shuffle(prompts)
+    print(f"{len(prompts)} prompts in shard {shard}/{n_shards}", flush=True)
 
-    # 2) greedy answers with top-k logits at every position, until the time budget runs out.
-    seqs = []
-    n_tok = 0
+    # 2) greedy answers with top-k logits at every position, until the time budget runs out; articles and
+    # German translations come back as the input of follow-up prompts (pushed where the queue pops next).
     # Prompts longer than one batch would never get a slot: leave them out.
-    ids = [t for t in (tok(p) for _, p in prompts) if len(t) <= gen.n_batch - gen.n_seq]
-    for plen, toks, idx, val in gen.run(ids, args.max_new, deadline, 0.0, stops):
-        seqs.append((plen, toks, idx, val))
+    fits = lambda ids: len(ids) <= gen.n_batch - gen.n_seq  # noqa: E731
+    queue, kind_of = [], {}
+    for kind, p in prompts:
+        if fits(ids := tok(p)):
+            queue.append(ids)
+            kind_of[tuple(ids)] = kind
+    seqs, n_tok, saved = [], 0, time.time()
+    for plen, toks, idx, val, hid in gen.run(queue, args.max_new, deadline, 0.0, stops):
+        seqs.append((plen, toks, idx, val, hid))
         n_tok += len(toks)
+        answer = text_of(toks[plen:])
+        for follow in FOLLOW_UPS.get(kind_of.get(tuple(toks[:plen].tolist()), ""), []):
+            if len(answer) > 40 and fits(ids := tok(render_chat(template, [{"role": "user", "content": follow.format(x=answer)}]))):
+                queue.append(ids)
         if len(seqs) % 50 == 0:
-            print(f"{len(seqs)} sequences, {n_tok} tokens, {time.time() - t0:.0f} s", flush=True)
-    plens = np.array([s[0] for s in seqs], np.int32)
-    lens = np.array([len(s[1]) for s in seqs], np.int32)
-    np.savez(args.out, plens=plens, lens=lens, tokens=np.concatenate([s[1] for s in seqs]),
-             idx=np.concatenate([s[2] for s in seqs]), val=np.concatenate([s[3] for s in seqs]))
-    print(f"wrote {args.out}: {len(seqs)} sequences, {n_tok} tokens ({int((lens - plens).sum())} generated) "
-          f"in {time.time() - t0:.0f} s", flush=True)
+            print(f"{len(seqs)} sequences, {n_tok} tokens, {len(queue)} queued, {time.time() - t0:.0f} s", flush=True)
+        if time.time() - saved > 60 * args.save_every:  # a long run cut short keeps what it made
+            save(args.out, seqs, t0)
+            saved = time.time()
+    save(args.out, seqs, t0)
 
 
 if __name__ == "__main__":

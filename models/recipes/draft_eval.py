@@ -64,7 +64,7 @@ def make_ref(target: str, out: str, per_category: int, max_new: int, seed: int) 
     key = {tuple(p): i for i, p in enumerate(prompts)}
     res: dict[int, tuple[int, np.ndarray]] = {}
     t0 = time.time()
-    for plen, toks, _, _ in gen.run(prompts, max_new, time.time() + 10**6, 0.0, stops):
+    for plen, toks, *_ in gen.run(list(prompts), max_new, time.time() + 10**6, 0.0, stops):
         res[key[tuple(toks[:plen].tolist())]] = (plen, toks)
         print(f"{len(res)}/{len(prompts)} reference continuations, {time.time() - t0:.0f} s", flush=True)
     order = sorted(res)
