@@ -132,6 +132,22 @@ class Draft(nn.Module):
                 mine.post_attention_layernorm.weight.copy_(gain(t[b + "ffn_norm.weight"]))
             self.norm.weight.copy_(gain(t["output_norm.weight"]))
 
+    def init_from_draft(self, t: dict[str, np.ndarray]) -> None:
+        """Continue from an earlier draft GGUF of this shape (e.g. the shipped one): its tensors, q/k rows
+        put back in Hugging Face's layout."""
+        names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+                 "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
+                 "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+        heads = {"q_proj": self.sh.heads, "k_proj": self.sh.kv_heads}
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(torch.from_numpy(t["token_embd.weight"]))
+            self.norm.weight.copy_(torch.from_numpy(t["output_norm.weight"]))
+            for i, layer in enumerate(self.layers):
+                for name, param in layer.named_children():
+                    w = t[f"blk.{i}.{names[name]}.weight"]
+                    w = unpermute_rotary(w, heads[name]) if name in heads else w
+                    param.weight.copy_(torch.from_numpy(np.ascontiguousarray(w)))
+
     def forward(self, ids: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
         """Logits over the whole vocabulary, or only over the token ids in `vocab` (a sampled softmax)."""
         pos = torch.arange(ids.shape[1]).float()
@@ -238,6 +254,8 @@ def main() -> None:
     ap.add_argument("--batch-tokens", type=int, default=1024, help="Tokens per step (small data: many small steps).")
     ap.add_argument("--layers", type=int, default=4, help="Transformer layers (width stays 256).")
     ap.add_argument("--init-layers", default="", help="Start from these target layers (e.g. 0,1,2,29), compressed to width 256.")
+    ap.add_argument("--init-draft", default="", help="Continue from this draft GGUF (same shape; --layers must match).")
+    ap.add_argument("--held-out", type=int, default=12, help="Answers held out to pick the best epoch.")
     args = ap.parse_args()
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
@@ -256,12 +274,14 @@ def main() -> None:
         model.init_from_target(t, proj, layers, heads, kv)
     else:
         model = Draft(emb, Shape(layers=args.layers))
+        if args.init_draft:
+            model.init_from_draft(target_tensors(args.init_draft))
     del t
     seqs = [s for path in args.data for s in load_data(path)]
     random.Random(args.seed).shuffle(seqs)
     # Held out: answers to prompts (on-policy text), the kind of text the draft meets when decoding.
     answers = [i for i, x in enumerate(seqs) if x[0] > 0]
-    held_ids = set(answers[: max(1, min(len(answers) // 20, 12))] or [0])
+    held_ids = set(answers[: max(1, min(len(answers) // 20, args.held_out))] or [0])
     held = [x for i, x in enumerate(seqs) if i in held_ids]
     tgen = torch.Generator().manual_seed(args.seed)
     train = [x for i, x in enumerate(seqs) if i not in held_ids]
