@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import llama_cpp
 import numpy as np
 import pytest
 
+import ggufspec.adaptive as adaptive
 from ggufspec.adaptive import MIN_GAIN, PROBE_EVERY, AdaptiveLength, AutoDrafter, CostModel, measure
 from ggufspec.drafters import LookupDrafter, ModelDrafter
 from ggufspec.sampling import SamplingParams
@@ -167,3 +169,22 @@ def test_plain_steps_slowing_with_the_context_do_not_make_drafting_look_cheaper(
     assert [v / costs.verify[0] for v in costs.verify] == pytest.approx([v / AVX2.verify[0] for v in AVX2.verify])
     assert costs.draft / costs.verify[0] == pytest.approx(AVX2.draft / AVX2.verify[0])
     assert not any(AdaptiveLength(costs, k_max=3).choose() for _ in range(300))  # still no probes
+
+
+def test_cost_cache_is_per_machine(tiny_target, tiny_draft, tmp_path, monkeypatch) -> None:
+    calls, real_machine = [], adaptive.machine
+
+    def counted(target, draft, k_max):
+        calls.append(k_max)
+        return measure(target, draft, k_max)[0], 1.0  # a quiet measurement, so it is cached
+
+    monkeypatch.setenv("GGUFSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(adaptive, "measure", counted)
+    with open_decoder(tiny_target) as t, open_decoder(tiny_draft) as d:
+        first = adaptive.cached_measure(t, d, 2)
+        again = adaptive.cached_measure(t, d, 2)
+        assert len(calls) == 1 and again == first  # same files, settings and machine: read back
+        monkeypatch.setattr(adaptive, "machine", lambda: "another CPU | another llama.cpp build")
+        adaptive.cached_measure(t, d, 2)
+        assert len(calls) == 2  # another machine's costs are never reused
+    assert llama_cpp.__version__ in real_machine()  # a new llama.cpp build re-measures too
