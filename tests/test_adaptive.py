@@ -120,6 +120,46 @@ def test_no_probes_where_even_good_drafts_would_gain_little() -> None:
     assert any(lookup.choose() for _ in range(300))
 
 
+# Measured on an AVX-512 (Zen 4) 2-core machine here: single tokens are fast, a 4-token batch costs 2.4 of them
+ZEN4 = CostModel(verify=[0.0386, 0.0726, 0.1027, 0.0940], draft=0.0082)
+
+
+def test_no_model_probes_where_a_perfect_run_would_gain_only_a_little() -> None:
+    # drafts kept 90% of the time would earn 12%: less than a failed probe and the draft's catching up cost
+    assert 1.1 < ZEN4.expected_rate(3, 0.9) / ZEN4.expected_rate(0, 0) < adaptive.PROBE_GAIN
+    model, lookup = AdaptiveLength(ZEN4, k_max=3), AdaptiveLength(ZEN4, k_max=3, free=True)
+    assert not any(model.choose() for _ in range(300))
+    assert any(lookup.choose() for _ in range(300))  # lookup's guesses cost no draft: 41% at 90%
+
+
+def test_a_probe_is_charged_the_draft_catching_up() -> None:
+    """A probe pays only if it beat plain steps counting every second it took, the draft's catch-up batch too."""
+    from types import SimpleNamespace
+
+    fast = CostModel([0.082, 0.138, 0.194, 0.131], 0.012)  # where drafting pays (4 tokens for 1.6 decodes)
+    clock = lambda: SimpleNamespace(decode_seconds=0.0, n_decodes=0, n_decoded_tokens=0)  # noqa: E731
+    gaps = {}
+    for catch_up in (0.0, 0.4):
+        target, draft = clock(), clock()
+        policy = AdaptiveLength(CostModel(list(fast.verify), fast.draft), k_max=3, target=target, draft=draft)
+        policy.acceptance = [0.3] * 3  # off, probing
+        gaps[catch_up], since = [], 0
+        for _ in range(150):
+            k = policy.choose()
+            since += 1
+            target.decode_seconds += policy.costs.verify[k]
+            if k:
+                gaps[catch_up].append(since)
+                since = 0
+                draft.decode_seconds += catch_up + k * fast.draft
+                draft.n_decodes += k + 1
+                draft.n_decoded_tokens += k + 16
+            policy.update(k, 2 if k else 0)  # 3 tokens for one 4-token batch: worth it, unless the catch-up
+            policy.acceptance = [0.3] * 3
+    assert gaps[0.0][:3] == [PROBE_EVERY] * 3
+    assert gaps[0.4][:3] == [PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY]
+
+
 def test_auto_uses_lookup_where_the_draft_model_cannot_pay(tiny_target, tiny_draft) -> None:
     greedy, rng = SamplingParams(), np.random.default_rng(0)
     with open_decoder(tiny_draft) as d:
@@ -168,7 +208,8 @@ def test_plain_steps_slowing_with_the_context_do_not_make_drafting_look_cheaper(
     assert costs.verify[0] == pytest.approx(AVX2.verify[0] * 1.3, rel=1e-3)
     assert [v / costs.verify[0] for v in costs.verify] == pytest.approx([v / AVX2.verify[0] for v in AVX2.verify])
     assert costs.draft / costs.verify[0] == pytest.approx(AVX2.draft / AVX2.verify[0])
-    assert not any(AdaptiveLength(costs, k_max=3).choose() for _ in range(300))  # still no probes
+    policy = AdaptiveLength(costs, k_max=3)
+    assert not any(policy.choose() for _ in range(300))  # still no probes
 
 
 def test_cost_cache_is_per_machine(tiny_target, tiny_draft, tmp_path, monkeypatch) -> None:
