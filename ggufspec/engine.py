@@ -21,7 +21,7 @@ from .gguf_check import read_header
 from .memory import check_memory
 from .methods import METHODS, Step
 from .medusa_heads import Heads, medusa_decoder_options, special_ids
-from .medusa_trees import load_tree
+from .medusa_trees import build_tree, load_tree
 from .methods.autoregressive import autoregressive
 from .methods.medusa import medusa
 from .methods.speculative import speculative
@@ -48,7 +48,7 @@ class GenerationSettings:
     stop_tokens: tuple[int, ...] = ()
     truncate_prompt: bool = False
     context_shift: bool = False  # when the context is full, drop older tokens instead of stopping
-    medusa_tree: str | None = None  # method medusa: a tree name or JSON choices file (default mc_sim_7b_63)
+    medusa_tree: str | None = None  # method medusa: a tree name or JSON choices file (default: the heads' own, else mc_sim_7b_63)
     typical: bool = False  # method medusa at temperature > 0: typical acceptance, faster but NOT exact
 
     def __post_init__(self) -> None:
@@ -165,7 +165,10 @@ class SpeculativeEngine:
             raise GGUFSpecError("method 'vanilla' needs a draft model (-d DRAFT.gguf).")
         if method == "medusa" and self.medusa is None:
             raise GGUFSpecError("method 'medusa' needs Medusa heads (--medusa HEADS.gguf).")
-        tree = load_tree(s.medusa_tree) if method == "medusa" else None
+        tree = None
+        if method == "medusa":  # the heads' own fitted tree unless another is asked for
+            own = self.medusa.choices if s.medusa_tree is None else None
+            tree = build_tree(own) if own else load_tree(s.medusa_tree)
         if method not in ("vanilla", "auto"):
             draft = None  # this method does not use it: leave its context as it is
         n_ctx = min(target.n_ctx, draft.n_ctx) if draft is not None else target.n_ctx
@@ -190,8 +193,9 @@ class SpeculativeEngine:
         drafting = self._drafting(method, draft, s) if method not in ("autoregressive", "medusa") else None
         t0 = time.perf_counter()
         try:
-            # The last prompt token is decoded by the first step, so every position is decoded once.
-            for d in (target, draft) if draft is not None else (target,):
+            # The last prompt token is decoded by the first step, so every position is decoded once. `auto`'s
+            # draft catches up when first used (often never, where the draft model does not pay).
+            for d in (target, draft) if draft is not None and method == "vanilla" else (target,):
                 if len(tokens) > 1:
                     d.sync(tokens[:-1])
                 else:
