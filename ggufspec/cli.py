@@ -89,7 +89,8 @@ def decoder_options(n_ctx, n_batch, threads, threads_batch, n_gpu_layers, no_mma
 @click.option("--medusa", "medusa_path", type=click.Path(dir_okay=False), default=None,
               help="Medusa heads GGUF trained for this target (`ggufspec medusa train`, `ggufspec convert medusa`).")
 @click.option("--tree", "medusa_tree", default=None,
-              help="Medusa candidate tree: mc_sim_7b_63 (default), mc_sim_31, mc_sim_15, chain_4, or a JSON file of choices.")
+              help="Medusa candidate tree: mc_sim_7b_63, mc_sim_31, mc_sim_15, chain_4, or a JSON file of choices "
+                   "(default: the tree stored with the heads by `medusa train`, else mc_sim_7b_63).")
 @click.option("--medusa-vocab", "medusa_vocab", metavar="N|FILE", default=None,
               help="Medusa heads propose only from a restricted candidate vocabulary: the N lowest token ids (BPE ids "
                    "follow merge order, roughly frequency) or the ids in FILE (JSON list, or integers separated by "

@@ -33,6 +33,9 @@ def medusa() -> None:
 @click.option("--weight-decay", type=float, default=0.0, show_default=True)
 @click.option("--soft-weight", type=click.FloatRange(0, 1), default=0.5, show_default=True,
               help="With a --data cache that holds the target's top logits: share of the loss on that distribution.")
+@click.option("--tree-nodes", type=click.IntRange(0, 255), default=63, show_default=True,
+              help="Fit a candidate tree of this many nodes to the trained heads on held-out answers and store it "
+              "with them (used when `generate` gets no --tree); 0: none.")
 @click.option("--own-lm-head", is_flag=True, help="Write v1 heads with a copy of the target's output matrix each "
               "(default: v2 heads that share the target's, much smaller).")
 @click.option("--outtype", type=click.Choice(["f16", "f32", "q8_0"]), default="f16", show_default=True)
@@ -41,15 +44,17 @@ def medusa() -> None:
 @click.option("-t", "--threads", type=click.IntRange(1), default=None, help="llama.cpp threads for collection.")
 def train_cmd(target: Path, out: Path, prompts: Path | None, text_file: Path | None, data_cache: Path | None,
               heads: int, max_new: int, parallel: int, no_chat: bool, epochs: int, batch: int, lr: float,
-              weight_decay: float, soft_weight: float, own_lm_head: bool, outtype: str, checkpoint_dir: Path | None,
+              weight_decay: float, soft_weight: float, tree_nodes: int, own_lm_head: bool, outtype: str, checkpoint_dir: Path | None,
               threads: int | None) -> None:
     """Collect hidden states of TARGET, train Medusa heads on them, and write the heads to OUT (GGUF)."""
     from .convert.medusa import convert_medusa
-    from .medusa_heads import target_lm_head
+    from .convert.medusa import MedusaHeads
+    from .medusa_heads import Heads, target_lm_head
     from .medusa_train import (
-        Corpus, TrainConfig, chat_tokens, collect_generations, collect_text, open_for_collection, read_prompts,
-        save_checkpoint, train_heads, training_pairs,
+        Corpus, TrainConfig, chat_tokens, collect_generations, collect_text, fit_heads_tree, held_out,
+        open_for_collection, read_prompts, save_checkpoint, train_heads, training_pairs,
     )
+    from .medusa_trees import DEFAULT_TREE, TREES, tree_accepted
 
     say = _printer()
     start = time.perf_counter()
@@ -81,9 +86,22 @@ def train_cmd(target: Path, out: Path, prompts: Path | None, text_file: Path | N
         raise click.UsageError(f"the data has hidden size {data.hidden.shape[1]}, {target} has {lm.shape[1]}: wrong --data cache?")
     say(f"training {heads} heads on {len(data.rows)} positions, hidden {lm.shape[1]}, vocab {lm.shape[0]}", force=True)
     t_train = time.perf_counter()
-    blocks, history = train_heads(data, lm, TrainConfig(heads, epochs, batch, lr, weight_decay, soft_weight=soft_weight), say)
+    cfg = TrainConfig(heads, epochs, batch, lr, weight_decay, soft_weight=soft_weight)
+    blocks, history = train_heads(data, lm, cfg, say)
+    choices = None
+    if tree_nodes:
+        trained = Heads(MedusaHeads(2, lm.shape[1], lm.shape[0], "", blocks, None), lm)
+        choices, fitted, ranks = fit_heads_tree(trained, data, held_out(data, cfg), tree_nodes)
+        if choices:
+            say(f"tree: {len(choices)} nodes fitted on {len(ranks)} held-out positions, ~{1 + fitted:.2f} tokens per pass "
+                f"there ({DEFAULT_TREE}: ~{1 + tree_accepted(ranks, TREES[DEFAULT_TREE]):.2f})", force=True)
+        else:
+            choices = None
+            say(f"tree: the heads ranked no held-out token high enough ({len(ranks)} positions); none stored, "
+                f"generate will use {DEFAULT_TREE}", force=True)
     ckpt = checkpoint_dir or out.with_name(out.stem + "-checkpoint")
-    save_checkpoint(ckpt, blocks, [lm] * heads if own_lm_head else None, base_model=target.name, vocab_size=lm.shape[0])
+    save_checkpoint(ckpt, blocks, [lm] * heads if own_lm_head else None, base_model=target.name, vocab_size=lm.shape[0],
+                    choices=choices)
     rep = convert_medusa(ckpt, out, outtype)
     tops = " ".join(f"{history[f'top1_head{i}'][-1]:.1%}" for i in range(heads))
     click.echo(f"wrote {out}: {heads} heads (v{rep.version}), validation top-1 per head {tops}; "

@@ -120,6 +120,7 @@ class Heads:
 
     def __init__(self, heads: MedusaHeads, lm_head: np.ndarray | None = None, ids: np.ndarray | None = None) -> None:
         self.n_heads, self.hidden, self.version = heads.heads, heads.hidden, heads.version
+        self.choices = heads.choices  # the tree fitted to these heads (used when no other is asked for), or None
         layers = len(heads.res[0])
         # w[j]: [heads, H, H] for ResBlock j of every head; layer 0 also as one [heads*H, H] matrix.
         self.w = [np.stack([heads.res[i][j][0] for i in range(self.n_heads)]).astype(np.float32) for j in range(layers)]
@@ -168,24 +169,36 @@ class Heads:
         return cls(raw, lm, ids)
 
     def states(self, h: np.ndarray) -> np.ndarray:
-        """Every head's output hidden state [heads, H] for one base hidden state h [H]."""
+        """Every head's output hidden state [..., heads, H] for base hidden states h [..., H]."""
         h = np.asarray(h, dtype=np.float32)
+        lead = h.shape[:-1]
         if self.w0_t is None:
-            return np.broadcast_to(h, (self.n_heads, self.hidden)).copy()
-        z = (h @ self.w0_t).reshape(self.n_heads, self.hidden) + self.b[0]
-        x = h + z / (1.0 + np.exp(-z))
+            return np.broadcast_to(h[..., None, :], (*lead, self.n_heads, self.hidden)).copy()
+        z = (h @ self.w0_t).reshape(*lead, self.n_heads, self.hidden) + self.b[0]
+        x = h[..., None, :] + z / (1.0 + np.exp(-z))
         for w, b in zip(self.w[1:], self.b[1:]):
-            z = np.matmul(w, x[:, :, None])[:, :, 0] + b
+            z = np.matmul(w, x[..., None])[..., 0] + b
             x = x + z / (1.0 + np.exp(-z))
         return x
 
     def logits(self, h: np.ndarray, n: int | None = None) -> np.ndarray:
-        """The first n (default all) heads' logits [n, N] for one base hidden state h [H]: one column per
-        candidate (`ids`), i.e. [n, V] without a restricted vocabulary."""
-        x = self.states(h)[:n]
+        """The first n (default all) heads' logits [..., n, N] for base hidden states h [..., H]: one column
+        per candidate (`ids`), i.e. [..., n, V] without a restricted vocabulary."""
+        x = self.states(h)[..., :n, :]
         if self.shared_lm_t is not None:
             return x @ self.shared_lm_t
-        return np.matmul(x[:, None, :], self.lm_t[:n])[:, 0, :]
+        return np.matmul(x[..., None, :], self.lm_t[:n])[..., 0, :]
+
+    def ranks(self, h: np.ndarray, labels: np.ndarray, below: int) -> np.ndarray:
+        """ranks[i, k]: where token labels[i, k] stands in head k's ranking at hidden state h[i] (0: best),
+        or -1 when it is past `below` or the label is unknown (< 0). Full vocabulary only."""
+        if self.ids is not None:
+            raise ValueError("ranks are measured over the whole vocabulary: load the heads without candidates")
+        labels = np.asarray(labels)
+        logits = self.logits(h, labels.shape[1])
+        mine = np.take_along_axis(logits, np.maximum(labels, 0)[..., None], axis=-1)
+        r = (logits > mine).sum(-1)
+        return np.where((labels >= 0) & (r < below), r, -1)
 
     def check_top_k(self, ks: tuple[int, ...]) -> None:
         """CandidateVocabError when a tree asks a head for more tokens than the candidate vocabulary holds."""

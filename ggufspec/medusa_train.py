@@ -21,6 +21,8 @@ from .chat import render_chat
 from .decoder import DecoderOptions, LlamaCppDecoder
 from .errors import GGUFSpecError
 from .llama_batch import Batch
+from .medusa_heads import Heads
+from .medusa_trees import fit_tree, tree_accepted
 
 Progress = Callable[[str], None]
 
@@ -159,9 +161,10 @@ def open_for_collection(path: Path, n_parallel: int, max_len: int, threads: int 
 
 def save_checkpoint(
     out_dir: Path, res: list[list[tuple[np.ndarray, np.ndarray]]], lm_heads: list[np.ndarray] | None = None,
-    base_model: str = "", vocab_size: int = 0,
+    base_model: str = "", vocab_size: int = 0, choices: list[list[int]] | None = None,
 ) -> Path:
-    """Write a FasterDecoding checkpoint: medusa_lm_head.safetensors ({i}.{j}.linear.weight|bias, {i}.{L}.weight) + config.json."""
+    """Write a FasterDecoding checkpoint: medusa_lm_head.safetensors ({i}.{j}.linear.weight|bias, {i}.{L}.weight) + config.json
+    (with `medusa_choices`, the candidate tree fitted to the heads, when given)."""
     from safetensors.numpy import save_file
 
     out_dir = Path(out_dir)
@@ -179,6 +182,8 @@ def save_checkpoint(
         "version": 1 if lm_heads is not None else 2, "base_model_name_or_path": base_model,
         "hidden_size": int(res[0][0][0].shape[0]) if res and res[0] else 0, "vocab_size": vocab_size,
     }
+    if choices is not None:
+        config["medusa_choices"] = choices
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return out_dir
 
@@ -192,7 +197,8 @@ class TrainConfig:
     batch: int = 256
     lr: float = 1e-3
     weight_decay: float = 0.0
-    valid_samples: int = 512
+    valid_samples: int = 512  # held-out positions the per-epoch top-1 is measured on
+    held_out: float = 0.05  # share of positions (whole sequences) kept out of training, for validation and the tree
     negatives: int = 4096
     seed: int = 0
     soft_weight: float = 0.5  # share of the loss on the target's top-K distribution, when the data has it
@@ -275,6 +281,30 @@ def _split(data: Pairs, n_valid: int, rng: np.random.Generator) -> tuple[np.ndar
     return rng.permutation(np.flatnonzero(held)), rng.permutation(np.flatnonzero(~held))
 
 
+def held_out_size(n: int, cfg: TrainConfig) -> int:
+    return min(max(cfg.valid_samples, int(cfg.held_out * n)), max(1, n // 10))
+
+
+def held_out(data: Pairs, cfg: TrainConfig) -> np.ndarray:
+    """The samples train_heads kept out of training with this config (the same split, from the same seed)."""
+    return _split(data, held_out_size(len(data.rows), cfg), np.random.default_rng(cfg.seed))[0]
+
+
+def fit_heads_tree(heads: Heads, data: Pairs, samples: np.ndarray, n_nodes: int = 63, max_rank: int = 32,
+                   batch: int = 128) -> tuple[list[list[int]], float, np.ndarray]:
+    """The candidate tree of n_nodes choices the heads would have got accepted most often at `samples`
+    (greedy text), the draft tokens it accepts there per pass, and the heads' ranks it was fitted on."""
+    if data.labels.shape[1] < heads.n_heads:
+        raise GGUFSpecError(f"the data has labels for {data.labels.shape[1]} heads, the head set has {heads.n_heads}")
+    samples = np.sort(samples)
+    ranks = np.concatenate([
+        heads.ranks(data.hidden[data.rows[i]], data.labels[i, : heads.n_heads], max_rank)
+        for i in np.array_split(samples, max(1, len(samples) // batch))
+    ])
+    choices = fit_tree(ranks, n_nodes)
+    return choices, tree_accepted(ranks, choices), ranks
+
+
 def train_heads(
     data: Pairs, lm_head: np.ndarray, cfg: TrainConfig, progress: Progress | None = None,
 ) -> tuple[list[list[tuple[np.ndarray, np.ndarray]]], dict[str, list[float]]]:
@@ -287,7 +317,8 @@ def train_heads(
     rng = np.random.default_rng(cfg.seed)
     hid = data.hidden
     n, hidden, k = len(data.rows), hid.shape[1], data.labels.shape[1]
-    valid, train = _split(data, min(cfg.valid_samples, max(1, n // 10)), rng)
+    valid, train = _split(data, held_out_size(n, cfg), rng)
+    valid = valid[: cfg.valid_samples]
     w = np.zeros((k * hidden, hidden), dtype=np.float32)  # all heads' ResBlocks stacked: one matmul
     b = np.zeros(k * hidden, dtype=np.float32)
     opt = _Adam([w, b], cfg.lr, cfg.weight_decay)

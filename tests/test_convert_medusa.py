@@ -88,3 +88,23 @@ def test_bad_medusa_inputs(tmp_path: Path) -> None:
     assert not (tmp_path / "m.gguf").exists()
     with pytest.raises(ConversionError, match="output type"):
         convert_medusa(tmp_path / "src", tmp_path / "m.gguf", "q4_0")
+
+
+def test_fitted_tree_travels_in_the_gguf(tmp_path: Path) -> None:
+    """config.json's medusa_choices becomes medusa.tree; a malformed or too deep one is refused, no file left."""
+    import json
+
+    write_medusa(tmp_path / "src", heads=2, layers=1, hidden=HIDDEN, vocab=VOCAB)
+    assert load_medusa_gguf(convert_medusa(tmp_path / "src", tmp_path / "plain.gguf").out).choices is None
+    cfg_path = tmp_path / "src" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    for choices, match in (([[0], [1, 0]], "not a tree"), ([[0], [0, 0], [0, 0, 0]], "3 deep; there are 2 heads"),
+                           ("[[0]]", "not a tree")):
+        cfg_path.write_text(json.dumps({**cfg, "medusa_choices": choices}))
+        with pytest.raises(ConversionError, match=match):
+            convert_medusa(tmp_path / "src", tmp_path / "bad.gguf")
+        assert not (tmp_path / "bad.gguf").exists()
+    cfg_path.write_text(json.dumps({**cfg, "medusa_choices": [[0], [1], [0, 0]]}))
+    out = convert_medusa(tmp_path / "src", tmp_path / "tree.gguf").out
+    assert load_medusa_gguf(out).choices == [[0], [1], [0, 0]]
+    assert json.loads(GGUFReader(out).get_field("medusa.tree").contents()) == [[0], [1], [0, 0]]

@@ -18,7 +18,7 @@ from ggufspec.engine import GenerationSettings, SpeculativeEngine
 from ggufspec.errors import GGUFSpecError, ModelFileError
 from ggufspec.medusa_heads import Heads, medusa_decoder_options
 from ggufspec.medusa_train import save_checkpoint
-from ggufspec.medusa_trees import TreeError, build_tree, load_tree
+from ggufspec.medusa_trees import TREES, TreeError, build_tree, fit_tree, load_tree, tree_accepted
 from ggufspec.methods.medusa import medusa, walk
 from ggufspec.sampling import SamplingParams, pick
 
@@ -32,8 +32,8 @@ def _random_blocks(rng: np.random.Generator, heads: int, layers: int, hidden: in
             for _ in range(heads)]
 
 
-def _write_heads(path: Path, blocks, lm_heads=None, outtype: str = "f32") -> Path:
-    ckpt = save_checkpoint(path.with_suffix(""), blocks, lm_heads, base_model="test", vocab_size=V)
+def _write_heads(path: Path, blocks, lm_heads=None, outtype: str = "f32", choices=None) -> Path:
+    ckpt = save_checkpoint(path.with_suffix(""), blocks, lm_heads, base_model="test", vocab_size=V, choices=choices)
     convert_medusa(ckpt, path, outtype)
     return path
 
@@ -55,7 +55,7 @@ def trained_heads(tiny_target, tmp_path_factory) -> Path:
         "--max-new", "24", "--parallel", "3", "--heads", "3", "--epochs", "2", "--batch", "16", "-t", "2",
     ])
     assert res.exit_code == 0, res.output
-    assert "validation top-1 per head" in res.output
+    assert "validation top-1 per head" in res.output and "tree: " in res.output
     return d / "heads.gguf"
 
 
@@ -260,6 +260,53 @@ def test_malformed_tree_files_are_refused(tmp_path, content, match) -> None:
     f.write_text(content)
     with pytest.raises(TreeError, match=match):
         load_tree(str(f))
+
+
+def test_fitted_tree_is_the_best_prefix_closed_tree() -> None:
+    """fit_tree against every prefix-closed tree of 4 nodes over 2 heads and ranks 0-2 (brute force)."""
+    import itertools
+
+    rng = np.random.default_rng(3)
+    ranks = rng.choice([-1, 0, 1, 2], p=[0.2, 0.4, 0.25, 0.15], size=(2000, 2))
+    ranks[rng.random(2000) < 0.3, 1] = 0  # head 1 right more often than chance
+    paths = [(a,) for a in range(3)] + [(a, b) for a in range(3) for b in range(3)]
+    best = max(tree_accepted(ranks, [list(c) for c in combo]) for combo in itertools.combinations(paths, 4)
+               if all(len(c) == 1 or c[:1] in combo for c in combo))
+    fitted = fit_tree(ranks, 4)
+    tree = build_tree(fitted)  # prefix-closed
+    assert len(fitted) == 4 and tree_accepted(ranks, fitted) == pytest.approx(best)
+
+    def walk_depth(r: list[int]) -> int:  # how far a walk down the tree gets when head k ranked the truth r[k]
+        node = 0
+        for d, want in enumerate(r):
+            match = [k for k in tree.children(node) if tree.rank[k] == want]
+            if not match:
+                return d
+            node = match[0]
+        return len(r)
+
+    assert tree_accepted(ranks, fitted) == pytest.approx(np.mean([walk_depth(r) for r in ranks.tolist()]))
+    assert len(fit_tree(ranks, 1000)) == 12  # never more nodes than paths ever accepted
+    with pytest.raises(TreeError):
+        fit_tree(np.zeros((0, 2), dtype=int), 4)
+
+
+def test_heads_bring_their_own_tree(tiny_target, trained_heads, tmp_path) -> None:
+    """Heads with a tree in their GGUF: generate uses it unless --tree says otherwise."""
+    # trained on the tiny target's random text, the heads are never right on held-out answers: no tree to store
+    assert Heads.load(trained_heads, tiny_target, H, V).choices is None
+    chain = _write_heads(tmp_path / "chain.gguf", _random_blocks(np.random.default_rng(1), 3, 1, H, 0.3),
+                         choices=[[0]])
+    with _engine(tiny_target, chain) as engine:
+        ref = engine.generate(PROMPTS[0], GenerationSettings(max_tokens=20, method="autoregressive"))
+        own = engine.generate(PROMPTS[0], GenerationSettings(max_tokens=20, method="medusa"))
+        std = engine.generate(PROMPTS[0], GenerationSettings(max_tokens=20, method="medusa", medusa_tree="mc_sim_15"))
+    assert_same_or_near_tie(tiny_target, PROMPTS[0], ref.tokens, own.tokens, NEAR_TIE["f32"])
+    # the first pass drafts nothing, nor do passes cut short by the token limit; the others draft the tree's
+    # depth: 1 with the heads' own tree, 3 with mc_sim_15
+    passes = own.stats.target_passes
+    assert passes - 3 <= own.stats.drafted <= passes - 1
+    assert std.stats.drafted >= 3 * (std.stats.target_passes - 3) and build_tree(TREES["mc_sim_15"]).n_heads == 3
 
 
 def test_unknown_tree_and_missing_heads_exit_2(tiny_target, random_heads, tmp_path) -> None:

@@ -11,6 +11,7 @@ GGUF layout of a Medusa head set (the Medusa runtime reads exactly these names):
 | hidden size of the base model          | medusa.hidden_size             | uint32                      |
 | vocabulary size (0: unknown, v2 only)  | medusa.vocab_size              | uint32                      |
 | base model name or path                | medusa.base_model              | string (may be absent)      |
+| candidate tree fitted to these heads   | medusa.tree                    | string, JSON choices (may be absent) |
 | ResBlock j of head i: weight           | medusa.{i}.res.{j}.weight      | [hidden, hidden]            |
 | ResBlock j of head i: bias             | medusa.{i}.res.{j}.bias        | [hidden], f32               |
 | head i's own LM head (v1 only)         | medusa.{i}.lm_head.weight      | [vocab, hidden]             |
@@ -36,6 +37,7 @@ from gguf import quants
 from ggufspec.convert.checkpoint import TensorRef, open_tensor_file
 from ggufspec.convert.writing import OUT_TYPES, PlannedTensor, storage_type, write_gguf
 from ggufspec.errors import ConversionError, ModelFileError
+from ggufspec.medusa_trees import TreeError, build_tree
 
 ARCH = "medusa"
 KEY_VERSION = "medusa.version"
@@ -44,6 +46,7 @@ KEY_LAYER_COUNT = "medusa.layer_count"
 KEY_HIDDEN_SIZE = "medusa.hidden_size"
 KEY_VOCAB_SIZE = "medusa.vocab_size"
 KEY_BASE_MODEL = "medusa.base_model"
+KEY_TREE = "medusa.tree"  # JSON choices fitted to these heads (config.json's medusa_choices); optional
 
 
 def res_weight_name(head: int, layer: int) -> str:
@@ -167,6 +170,14 @@ def convert_medusa(
             add(lm_head_name(i), lm_heads[i], (vocab, hidden))
 
     base = base_model or cfg.get("base_model_name_or_path") or cfg.get("base_model") or ""
+    choices = cfg.get("medusa_choices")
+    if choices is not None:
+        try:
+            tree = build_tree(choices)
+        except (TreeError, TypeError, ValueError) as e:
+            raise ConversionError(f"{src}: config.json's medusa_choices is not a tree ({e})") from None
+        if tree.n_heads > heads:
+            raise ConversionError(f"{src}: config.json's medusa_choices is {tree.n_heads} deep; there are {heads} heads")
 
     def metadata(w: GGUFWriter) -> None:
         w.add_name(Path(src).resolve().name)
@@ -178,6 +189,8 @@ def convert_medusa(
         w.add_uint32(KEY_VOCAB_SIZE, vocab)
         if base:
             w.add_string(KEY_BASE_MODEL, base)
+        if choices is not None:
+            w.add_string(KEY_TREE, json.dumps(choices, separators=(",", ":")))
 
     write_gguf(Path(out), ARCH, metadata, plan, progress)
     return MedusaReport(Path(out), version, heads, layers, hidden, vocab, warnings, time.perf_counter() - start)
@@ -193,6 +206,7 @@ class MedusaHeads:
     base_model: str
     res: list[list[tuple[np.ndarray, np.ndarray]]]  # res[i][j] = (W [hidden, hidden], b [hidden])
     lm_heads: list[np.ndarray] | None  # v1: [vocab, hidden] per head; v2: None
+    choices: list[list[int]] | None = None  # the candidate tree fitted to these heads, if the file has one
 
     @property
     def heads(self) -> int:
@@ -245,4 +259,12 @@ def load_medusa_gguf(path: Path) -> MedusaHeads:
     heads, layers, version = int(get(KEY_HEAD_COUNT)), int(get(KEY_LAYER_COUNT)), int(get(KEY_VERSION))
     res = [[(arr(res_weight_name(i, j)), arr(res_bias_name(i, j))) for j in range(layers)] for i in range(heads)]
     lm = [arr(lm_head_name(i)) for i in range(heads)] if version == 1 else None
-    return MedusaHeads(version, int(get(KEY_HIDDEN_SIZE)), int(get(KEY_VOCAB_SIZE)), str(get(KEY_BASE_MODEL, "")), res, lm)
+    choices = get(KEY_TREE)
+    if choices is not None:
+        try:
+            choices = json.loads(choices)
+            build_tree(choices)
+        except (TreeError, TypeError, ValueError) as e:
+            raise ModelFileError(f"{path}: its {KEY_TREE} is not a candidate tree ({e})") from None
+    return MedusaHeads(version, int(get(KEY_HIDDEN_SIZE)), int(get(KEY_VOCAB_SIZE)), str(get(KEY_BASE_MODEL, "")), res, lm,
+                       choices)

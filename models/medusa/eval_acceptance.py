@@ -7,7 +7,9 @@ tokens is accepted (d tokens) plus the target's own token: d + 1 tokens per pass
 the last prompt token alone (1 token), as `ggufspec.methods.medusa` does.
 
     python eval_acceptance.py TARGET.gguf HEADS.gguf [--prompts spec_bench_dev.jsonl] [--per-category 3]
-        [--max-new 128] [--tree mc_sim_7b_63] [--data greedy.npz] [--vocab full --vocab 8192 ...]
+        [--max-new 128] [--tree NAME|FILE] [--data greedy.npz] [--vocab full --vocab 8192 ...]
+
+--tree: default, the tree stored with the heads (`medusa train` fits one), else mc_sim_7b_63.
 
 --vocab (repeatable): restricted candidate vocabularies to compare (N lowest ids, or a file of ids, plus the
 target's special tokens; `full` is the whole vocabulary); "in set" is the share of answer tokens they hold.
@@ -24,7 +26,7 @@ import numpy as np
 
 from ggufspec.medusa_heads import Heads, candidate_ids, special_ids
 from ggufspec.medusa_train import Corpus, chat_tokens, collect_generations, open_for_collection
-from ggufspec.medusa_trees import load_tree
+from ggufspec.medusa_trees import build_tree, load_tree
 
 
 def passes_on(tokens: np.ndarray, hidden: np.ndarray, heads: Heads, tree, eog: set[int]) -> tuple[int, int]:
@@ -53,7 +55,7 @@ def main() -> None:
     ap.add_argument("--prompts", default=str(Path(__file__).resolve().parents[3] / "shared/bench/spec_bench_dev.jsonl"))
     ap.add_argument("--per-category", type=int, default=3)
     ap.add_argument("--max-new", type=int, default=128)
-    ap.add_argument("--tree", default="mc_sim_7b_63")
+    ap.add_argument("--tree", default=None)
     ap.add_argument("--data", default=None, help="cache of the greedy answers (.npz)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--vocab", action="append", default=None, help="full, N, or a file of ids (repeatable)")
@@ -76,10 +78,11 @@ def main() -> None:
             corpus.save(Path(a.data))
     keep = special_ids(target.vocab)
     eog = set(target.vocab.eog_ids)
-    tree = load_tree(a.tree)
     for spec in a.vocab or ["full"]:
         cand = None if spec == "full" else int(spec) if spec.isdigit() else spec
         heads = Heads.load(a.heads, a.target, target.n_embd, target.n_vocab, cand, keep if cand is not None else ())
+        tree = build_tree(heads.choices) if a.tree is None and heads.choices else load_tree(a.tree)
+        tree_name = a.tree or ("the heads' own" if heads.choices else "mc_sim_7b_63")
         t = tree.truncated(heads.n_heads) if tree.n_heads > heads.n_heads else tree
         ids = candidate_ids(cand, target.n_vocab, keep)
         stats = collections.defaultdict(lambda: [0, 0, 0])
@@ -97,7 +100,7 @@ def main() -> None:
         n, p, k = (sum(v[i] for v in stats.values()) for i in (0, 1, 2))
         m = sum(len(toks) for toks in corpus.tokens)
         print(f"{'all':<16}{len(cats):>8}{n:>8}{p:>8}{n / max(p, 1):>10.2f}{k / max(m, 1):>8.1%}"
-              f"   (tree {a.tree}, {heads.n_heads} heads)")
+              f"   (tree: {tree_name}, {tree.size - 1} nodes; {heads.n_heads} heads)")
 
 
 if __name__ == "__main__":
