@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
 
 import click
+import numpy as np
 
 
 @click.group("medusa")
@@ -107,6 +109,32 @@ def train_cmd(target: Path, out: Path, prompts: Path | None, text_file: Path | N
     click.echo(f"wrote {out}: {heads} heads (v{rep.version}), validation top-1 per head {tops}; "
                f"training {time.perf_counter() - t_train:.0f} s, total {time.perf_counter() - start:.0f} s; "
                f"checkpoint in {ckpt}")
+
+
+@medusa.command("tree")
+@click.argument("target", type=click.Path(path_type=Path, exists=True, dir_okay=False))
+@click.argument("heads_path", metavar="HEADS", type=click.Path(path_type=Path, exists=True, dir_okay=False))
+@click.argument("data", type=click.Path(path_type=Path, exists=True, dir_okay=False))
+@click.argument("out", type=click.Path(path_type=Path, dir_okay=False))
+@click.option("--nodes", type=click.IntRange(1, 255), default=63, show_default=True)
+def tree_cmd(target: Path, heads_path: Path, data: Path, out: Path, nodes: int) -> None:
+    """Fit a candidate tree to HEADS on the answers in DATA (a `medusa train --data` cache) and write it to OUT
+    (JSON, for `generate --tree OUT`). Use answers the heads were not trained on."""
+    from .gguf_check import read_header
+    from .medusa_heads import Heads
+    from .medusa_train import Corpus, fit_heads_tree, training_pairs
+    from .medusa_trees import DEFAULT_TREE, TREES, tree_accepted
+
+    meta = read_header(target).metadata
+    n_embd = int(meta.get(f"{meta.get('general.architecture')}.embedding_length", 0))
+    heads = Heads.load(heads_path, target, n_embd, int(meta.get("tokenizer.ggml.tokens", 0)))
+    pairs = training_pairs(Corpus.load(data), heads.n_heads)
+    choices, accepted, ranks = fit_heads_tree(heads, pairs, np.arange(len(pairs.rows)), nodes)
+    if not choices:
+        raise click.UsageError(f"the heads ranked no token of {data} high enough to fit a tree")
+    out.write_text(json.dumps(choices) + "\n", encoding="utf-8")
+    click.echo(f"wrote {out}: {len(choices)} nodes, ~{1 + accepted:.2f} tokens per pass on {len(ranks)} positions "
+               f"({DEFAULT_TREE}: ~{1 + tree_accepted(ranks, TREES[DEFAULT_TREE]):.2f})")
 
 
 def _printer():

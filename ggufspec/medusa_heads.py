@@ -197,7 +197,7 @@ class Heads:
         labels = np.asarray(labels)
         logits = self.logits(h, labels.shape[1])
         mine = np.take_along_axis(logits, np.maximum(labels, 0)[..., None], axis=-1)
-        r = (logits > mine).sum(-1)
+        r = (logits >= mine).sum(-1) - 1  # ties count as ahead: top_k's order among them is arbitrary
         return np.where((labels >= 0) & (r < below), r, -1)
 
     def check_top_k(self, ks: tuple[int, ...]) -> None:

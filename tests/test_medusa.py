@@ -369,3 +369,27 @@ def test_soft_labels_steer_the_heads(tiny_target, soft_weight) -> None:
     else:
         assert max(share) < 0.05, share
         assert len(history["top1_head0"]) == 30
+
+
+def test_medusa_tree_command_fits_a_tree_file(tiny_target, tmp_path) -> None:
+    """`medusa tree` on data where head 0 is always right and head 1 never: one node, rank 0; usable by --tree."""
+    from ggufspec.medusa_heads import target_lm_head
+    from ggufspec.medusa_train import Corpus
+
+    lm = target_lm_head(tiny_target)
+    zero = _write_heads(tmp_path / "zero.gguf", [[(np.zeros((H, H)), np.zeros(H))] for _ in range(2)])
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1000, 20000, size=200).astype(np.int32)
+    # a zero ResBlock leaves h as it is: with h = the LM-head row of token i + 2, head 0 ranks that token first
+    hidden = np.zeros((200, H), dtype=np.float16)
+    hidden[:-2] = 4 * lm[tokens[2:]] / np.linalg.norm(lm[tokens[2:]], axis=1, keepdims=True)
+    Corpus([tokens], [hidden]).save(tmp_path / "data.npz")
+    r = CliRunner().invoke(main, ["medusa", "tree", str(tiny_target), str(zero), str(tmp_path / "data.npz"),
+                                  str(tmp_path / "tree.json")])
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "tree.json").read_text())[0] == [0] and "~2.00 tokens per pass" in r.output
+    assert load_tree(str(tmp_path / "tree.json")).choices[0] == (0,)
+    Corpus([tokens], [np.zeros((200, H), dtype=np.float16)]).save(tmp_path / "flat.npz")  # heads never right
+    r = CliRunner().invoke(main, ["medusa", "tree", str(tiny_target), str(zero), str(tmp_path / "flat.npz"),
+                                  str(tmp_path / "none.json")])
+    assert r.exit_code == 2 and "no token" in r.output and not (tmp_path / "none.json").exists()
