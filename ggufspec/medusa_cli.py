@@ -46,11 +46,10 @@ def medusa() -> None:
 @click.option("-t", "--threads", type=click.IntRange(1), default=None, help="llama.cpp threads for collection.")
 def train_cmd(target: Path, out: Path, prompts: Path | None, text_file: Path | None, data_cache: Path | None,
               heads: int, max_new: int, parallel: int, no_chat: bool, epochs: int, batch: int, lr: float,
-              weight_decay: float, soft_weight: float, tree_nodes: int, own_lm_head: bool, outtype: str, checkpoint_dir: Path | None,
-              threads: int | None) -> None:
+              weight_decay: float, soft_weight: float, tree_nodes: int, own_lm_head: bool, outtype: str,
+              checkpoint_dir: Path | None, threads: int | None) -> None:
     """Collect hidden states of TARGET, train Medusa heads on them, and write the heads to OUT (GGUF)."""
-    from .convert.medusa import convert_medusa
-    from .convert.medusa import MedusaHeads
+    from .convert.medusa import MedusaHeads, convert_medusa
     from .medusa_heads import Heads, target_lm_head
     from .medusa_train import (
         Corpus, TrainConfig, chat_tokens, collect_generations, collect_text, fit_heads_tree, held_out,
