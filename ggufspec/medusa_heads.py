@@ -185,9 +185,9 @@ class Heads:
         """The first n (default all) heads' logits [..., n, N] for base hidden states h [..., H]: one column
         per candidate (`ids`), i.e. [..., n, V] without a restricted vocabulary."""
         x = self.states(h)[..., :n, :]
-        if self.shared_lm_t is not None:
-            return x @ self.shared_lm_t
-        return np.matmul(x[..., None, :], self.lm_t[:n])[..., 0, :]
+        if self.shared_lm_t is not None:  # one 2-D product: a stack of small ones would read the LM head per row
+            return (x.reshape(-1, self.hidden) @ self.shared_lm_t).reshape(*x.shape[:-1], -1)
+        return np.stack([x[..., k, :] @ self.lm_t[k] for k in range(x.shape[-2])], axis=-2)
 
     def ranks(self, h: np.ndarray, labels: np.ndarray, below: int) -> np.ndarray:
         """ranks[i, k]: where token labels[i, k] stands in head k's ranking at hidden state h[i] (0: best),
