@@ -290,7 +290,7 @@ def held_out(data: Pairs, cfg: TrainConfig) -> np.ndarray:
     return _split(data, held_out_size(len(data.rows), cfg), np.random.default_rng(cfg.seed))[0]
 
 
-def fit_heads_tree(heads: Heads, data: Pairs, samples: np.ndarray, n_nodes: int = 63, max_rank: int = 32,
+def fit_heads_tree(heads: Heads, data: Pairs, samples: np.ndarray, n_nodes: int = 63, max_rank: int = 64,
                    batch: int = 128) -> tuple[list[list[int]], float, np.ndarray]:
     """The candidate tree of n_nodes choices the heads would have got accepted most often at `samples`
     (greedy text), the draft tokens it accepts there per pass, and the heads' ranks it was fitted on."""
