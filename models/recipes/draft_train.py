@@ -307,7 +307,7 @@ def main() -> None:
         model.train()
         return hit / max(tot, 1)
 
-    best, best_state = held_acc(), None
+    best, best_state = held_acc(), {k: v.clone() for k, v in model.state_dict().items()}  # --init-draft may already be best
     print(f"held-out greedy agreement at init: {best:.3f}", flush=True)
     done = False
     while not done and time.time() - t_train < budget:
@@ -332,8 +332,7 @@ def main() -> None:
         print(f"epoch {epoch} done: held-out greedy agreement {acc:.3f}, {time.time() - t0:.0f} s", flush=True)
         if acc >= best:  # small data overfits: keep the epoch that generalises best
             best, best_state = acc, {k: v.clone() for k, v in model.state_dict().items()}
-    if best_state is not None:
-        model.load_state_dict(best_state)
+    model.load_state_dict(best_state)
 
     hf = Path(args.out_dir) / "hf"
     hf.mkdir(parents=True, exist_ok=True)
