@@ -184,7 +184,8 @@ def hf_config(n_vocab: int, sh: Shape) -> dict:
 
 
 def load_data(path: str) -> list[tuple[np.ndarray, ...]]:
-    d = np.load(path)
+    z = np.load(path)
+    d = {k: z[k] for k in ("plens", "lens", "tokens", "idx", "val")}  # an NpzFile re-reads an array at every access
     out, off = [], 0
     for plen, n in zip(d["plens"], d["lens"]):
         out.append((int(plen), d["tokens"][off : off + n], d["idx"][off : off + n], d["val"][off : off + n]))
