@@ -293,8 +293,9 @@ def test_fitted_tree_is_the_best_prefix_closed_tree() -> None:
 
 def test_heads_bring_their_own_tree(tiny_target, trained_heads, tmp_path) -> None:
     """Heads with a tree in their GGUF: generate uses it unless --tree says otherwise."""
-    # trained on the tiny target's random text, the heads are never right on held-out answers: no tree to store
-    assert Heads.load(trained_heads, tiny_target, H, V).choices is None
+    # trained on the tiny target's random text, the heads are rarely right: a small tree at most
+    fitted = Heads.load(trained_heads, tiny_target, H, V).choices
+    assert fitted is None or (len(fitted) <= 63 and build_tree(fitted).n_heads <= 3)
     chain = _write_heads(tmp_path / "chain.gguf", _random_blocks(np.random.default_rng(1), 3, 1, H, 0.3),
                          choices=[[0]])
     with _engine(tiny_target, chain) as engine:
