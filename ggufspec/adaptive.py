@@ -38,15 +38,24 @@ class CostModel:
     verify: list[float]
     draft: float
 
-    def expected_rate(self, k: int, acceptance: float | Sequence[float], free: bool = False) -> float:
-        """Committed tokens per second with k drafts; acceptance[i]: chance draft i is kept once judged
-        (a single number: the same at every position). free: the drafts cost nothing (prompt lookup)."""
+    @staticmethod
+    def expected_tokens(k: int, acceptance: float | Sequence[float]) -> float:
+        """Tokens a step with k drafts commits; acceptance[i]: chance draft i is kept once judged
+        (a single number: the same at every position)."""
         a = [acceptance] * k if isinstance(acceptance, (int, float)) else acceptance[:k]
         tokens = kept = 1.0
         for x in a:  # plain Python: called several times a step, where numpy's call overhead would show
             kept *= x
             tokens += kept
-        return tokens / (k * (0.0 if free else self.draft) + self.verify[min(k, len(self.verify) - 1)])
+        return tokens
+
+    def step_seconds(self, k: int, free: bool = False) -> float:
+        """Drafting k tokens (free: they cost nothing, as prompt lookup's) and verifying them."""
+        return k * (0.0 if free else self.draft) + self.verify[min(k, len(self.verify) - 1)]
+
+    def expected_rate(self, k: int, acceptance: float | Sequence[float], free: bool = False) -> float:
+        """Committed tokens per second with k drafts."""
+        return self.expected_tokens(k, acceptance) / self.step_seconds(k, free)
 
     def best_k(self, acceptance: float | Sequence[float], k_max: int, k_min: int = 0, free: bool = False) -> int:
         return max(range(k_min, k_max + 1), key=lambda k: self.expected_rate(k, acceptance, free))
@@ -194,12 +203,17 @@ class AdaptiveLength:
             return target.decode_seconds if target else 0.0, 0.0, 0, 0
         return target.decode_seconds, draft.decode_seconds, draft.n_decodes, draft.n_decoded_tokens
 
-    def choose(self) -> int:
-        self._start = self._read_clocks()
+    def planned(self) -> int:
+        """The length choose() would pick now, probes aside; no side effects."""
         k = self.costs.best_k(self.acceptance, self.k_max, free=self.free)
         rate = self.costs.expected_rate
         if k and rate(k, self.acceptance, self.free) < MIN_GAIN * rate(0, 0):
             k = 0  # at break-even the estimate's noise decides, and a wrong guess costs more than it earns
+        return k
+
+    def choose(self) -> int:
+        self._start = self._read_clocks()
+        k = self.planned()
         self._probing = False
         if k == 0:
             self._off_steps += 1
@@ -218,7 +232,7 @@ class AdaptiveLength:
         for i in range(min(drafted, accepted + 1, self.k_max)):
             self.acceptance[i] = self.memory * self.acceptance[i] + (1 - self.memory) * (i < accepted)
         c = self.costs
-        spent = c.verify[min(drafted, len(c.verify) - 1)] + (0.0 if self.free else drafted * c.draft)
+        spent = c.step_seconds(drafted, self.free)
         if self._clocks[0] is not None:
             (t0, d0, n0, k0), (t1, d1, n1, k1) = self._start, self._read_clocks()
             spent = (t1 - t0) + (d1 - d0)  # what the step really cost, the draft's catching up included
@@ -259,12 +273,16 @@ class AutoDrafter:
         self.source = None
         return self.k_max  # the source and length are picked in propose(), which sees the context
 
+    def uses_model(self) -> bool:
+        """Whether the draft model drafts at this point (probes aside)."""
+        return self.model_length is not None and self.model_length.planned() > 0
+
     def propose(self, context, k, params, rng):
         self.source = self.lookup_length
         n = min(self.lookup_length.choose(), k)
         if n:  # searched only when its guess would be verified: on a fast target the search shows
             tokens, q = self.lookup.propose(context, n, params, rng)
-            if tokens:
+            if tokens and not self._model_beats_lookup(len(tokens)):
                 return tokens, q
         if self.model_length is not None:
             self.source = self.model_length
@@ -272,6 +290,17 @@ class AutoDrafter:
             if n:
                 return self.model.propose(context, n, params, rng)
         return [], None
+
+    def _model_beats_lookup(self, n: int) -> bool:
+        """While the draft model drafts, lookup is not free: the draft must still decode every token a lookup
+        step commits before it drafts again. Charged here at a draft step per token (a catch-up batch costs
+        a little less), lookup's guess is verified only if it still beats the model's own proposal."""
+        if not self.uses_model():
+            return False
+        costs, model = self.costs, self.model_length
+        tokens = costs.expected_tokens(n, self.lookup_length.acceptance)
+        lookup_rate = tokens / (costs.step_seconds(n, free=True) + tokens * costs.draft)
+        return costs.expected_rate(model.planned(), model.acceptance) > lookup_rate
 
     def update(self, drafted: int, accepted: int) -> None:
         if self.source is not None:  # the last policy asked: it also times plain steps
