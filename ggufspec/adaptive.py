@@ -300,10 +300,8 @@ class AutoDrafter:
         self.source = None
         return self.k_max  # the source and length are picked in propose(), which sees the context
 
-    def uses_model(self, context_length: int | None = None) -> bool:
-        """Whether the draft model drafts at this point (probes aside), or after context_length tokens."""
-        if context_length is not None:
-            self.costs.context = context_length
+    def uses_model(self) -> bool:
+        """Whether the draft model drafts at this point (probes aside)."""
         return self.model_length is not None and self.model_length.planned() > 0
 
     def propose(self, context, k, params, rng):

@@ -83,14 +83,14 @@ def test_measure_prices_the_context_each_query_token_attends_to(smollm2_path) ->
 XEON_CTX = CostModel(verify=[0.0773, 0.1160, 0.1515, 0.0997], draft=0.0102, attention=6.1e-5)
 
 
-def test_long_contexts_make_batches_dearer_and_turn_drafting_off(tiny_draft) -> None:
+def test_long_contexts_make_batches_dearer_and_turn_drafting_off() -> None:
     kept = [0.43, 0.69, 0.74]
-    with open_decoder(tiny_draft) as d:
-        auto = AutoDrafter(LookupDrafter(d.n_vocab), ModelDrafter(d, d.n_vocab), replace(XEON_CTX), 3)
-        policy = auto.model_length
-        policy.acceptance = list(kept)
-        assert auto.uses_model(100) and policy.planned() == 3
-        assert not auto.uses_model(1500) and policy.planned() == 0  # so a 1,500-token prompt is not prefilled twice
+    policy = AdaptiveLength(replace(XEON_CTX), k_max=3)
+    policy.acceptance = list(kept)
+    policy.costs.context = 100
+    assert policy.planned() == 3
+    policy.costs.context = 1500
+    assert policy.planned() == 0
     assert 2.2 < policy.costs.verify_seconds(4) / policy.costs.verify_seconds(1) < 3.0  # measured 2.43x; linear: 2.74x
     # a plain step that costs what the long context predicts leaves the model as it was
     before = list(policy.costs.verify)
