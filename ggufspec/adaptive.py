@@ -3,9 +3,7 @@
 On CPUs the target's cost for a batch of n tokens is far from n times one token, and it depends
 on the CPU as much as on the weight type (llama.cpp repacks Q4_0 and Q8_0 for small batches: a
 4-token batch measured here at 1.6 decodes on one machine and 2.6 on an AVX2-only one), so the
-best draft length is found by measuring, not assumed. It also depends on the context length: every
-query token of a batch attends to the whole context, so on a long prompt a batch costs more decodes
-(measured on an Intel Xeon here: 4 tokens for 1.3 decodes after 32 tokens of context, 2.4 after 1,500).
+best draft length is found by measuring, not assumed.
 """
 
 from __future__ import annotations
@@ -20,13 +18,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import llama_cpp
-import numpy as np
 
 from .decoder import Decoder, LlamaCppDecoder
 from .drafters import LookupDrafter, ModelDrafter
 
-BASE_CONTEXT = 32  # context lengths the cost model is measured at
-LONG_CONTEXT = 512
 PROBE_EVERY = 16  # plain steps before the first probe while speculation is off; doubled after each failed one
 PROBE_EVERY_MAX = 128
 OPTIMISTIC = 0.9  # probes are made only if drafts kept this often would beat plain decoding
@@ -38,18 +33,10 @@ MIN_GAIN = 1.05  # drafting only when expected to beat plain decoding by this fa
 
 @dataclass
 class CostModel:
-    """verify[n-1]: seconds for the target to decode n tokens with all logits after BASE_CONTEXT tokens;
-    attention: seconds more per query token per token of context beyond that; draft: one draft token.
-    `context` is the length the next step runs at (the policy sets it each step)."""
+    """verify[n-1]: seconds for the target to decode n tokens with all logits; draft: one draft token."""
 
     verify: list[float]
     draft: float
-    attention: float = 0.0
-    context: int = 0
-
-    def verify_seconds(self, n: int) -> float:
-        """The target's time for a batch of n tokens at the current context."""
-        return self.verify[min(n, len(self.verify)) - 1] + n * self.attention * max(0, self.context - BASE_CONTEXT)
 
     @staticmethod
     def expected_tokens(k: int, acceptance: float | Sequence[float]) -> float:
@@ -64,7 +51,7 @@ class CostModel:
 
     def step_seconds(self, k: int, free: bool = False) -> float:
         """Drafting k tokens (free: they cost nothing, as prompt lookup's) and verifying them."""
-        return k * (0.0 if free else self.draft) + self.verify_seconds(k + 1)
+        return k * (0.0 if free else self.draft) + self.verify[min(k, len(self.verify) - 1)]
 
     def expected_rate(self, k: int, acceptance: float | Sequence[float], free: bool = False) -> float:
         """Committed tokens per second with k drafts."""
@@ -84,7 +71,7 @@ class CostModel:
         """
         if verify_s > 0:
             n = min(n_verify, len(self.verify)) - 1
-            ratio = verify_s / self.verify_seconds(n + 1)
+            ratio = verify_s / self.verify[n]
             others = weight if n == 0 else weight / 2
             self.verify = [v * ratio ** (weight if i == n else others) for i, v in enumerate(self.verify)]
             if n == 0 and not draft_decodes:
@@ -94,44 +81,30 @@ class CostModel:
 
 
 def measure(target: Decoder, draft: Decoder | None, k_max: int, repeats: int = 5) -> tuple[CostModel, float]:
-    """Time target batches of 1..k_max+1 tokens after BASE_CONTEXT and LONG_CONTEXT tokens (capped by the
-    context size), and one draft token after BASE_CONTEXT; resets both.
+    """Time target batches of 1..k_max+1 tokens and one draft token after a short context; resets both.
 
     Rounds interleave all sizes, so a busy spell hits every one; each time is the fastest round's.
     Also returns the spread (slowest / fastest round, worst size): large when the machine was busy.
     """
+    ctx = list(range(100, 132))
     decoders = [target] + ([draft] if draft is not None else [])
-    long_context = min(LONG_CONTEXT, target.n_ctx // 2)
-    filler = [100 + i % max(1, target.n_vocab - 300) for i in range(max(long_context, BASE_CONTEXT))]
     for d in decoders:
-        d.sync(filler[:BASE_CONTEXT])
+        d.sync(ctx)
         d.feed([7])  # warm-up
-    # the long-context sizes come after: a prompt cut back to BASE_CONTEXT cannot grow again for free
-    phases = [[(target, n) for n in range(1, k_max + 2)] + ([(draft, 1)] if draft is not None else [])]
-    if long_context >= 4 * BASE_CONTEXT:
-        phases.append([(target, n) for n in range(1, k_max + 2)])
-    best: list[float] = []
-    spread = 1.0
-    for phase, ctx in zip(phases, (BASE_CONTEXT, long_context)):
-        for d in {id(d): d for d, _ in phase}.values():
-            d.sync(filler[:ctx])
-        times: list[list[float]] = [[] for _ in phase]
-        for _ in range(repeats):
-            for (d, n), out in zip(phase, times):
-                t0 = time.perf_counter()
-                d.feed(list(range(200, 200 + n)))
-                out.append(time.perf_counter() - t0)
-                d.rollback_to(ctx)
-        best += [min(t) for t in times]
-        spread = max([spread] + [max(t) / min(t) for t in times])
+        d.rollback_to(len(ctx))
+    sizes = [(target, n) for n in range(1, k_max + 2)] + ([(draft, 1)] if draft is not None else [])
+    times: list[list[float]] = [[] for _ in sizes]
+    for _ in range(repeats):
+        for (d, n), out in zip(sizes, times):
+            t0 = time.perf_counter()
+            d.feed(list(range(200, 200 + n)))
+            out.append(time.perf_counter() - t0)
+            d.rollback_to(len(ctx))
     for d in decoders:
         d.rollback_to(0)
-    n_sizes = k_max + 1
-    verify, longer = best[:n_sizes], best[n_sizes + (draft is not None):]
-    # per query token per token of context; the median over batch sizes resists one noisy size
-    attention = float(np.median([(b - a) / n for n, (a, b) in enumerate(zip(verify, longer), 1)])) / (
-        long_context - BASE_CONTEXT) if longer else 0.0
-    return CostModel(verify, best[n_sizes] if draft is not None else 0.0, max(0.0, attention)), spread
+    best = [min(t) for t in times]
+    spread = max(max(t) / min(t) for t in times)
+    return CostModel(best[: k_max + 1], best[k_max + 1] if draft is not None else 0.0), spread
 
 
 MAX_SPREAD = 1.5  # a measurement noisier than this is used for this run but not cached
@@ -141,7 +114,7 @@ def cached_measure(target: LlamaCppDecoder, draft: LlamaCppDecoder | None, k_max
     """measure(), remembered per model files, thread settings, CPU and llama.cpp build in
     ~/.cache/ggufspec/costs.json (a home shared by different machines must not share their costs)."""
     path = Path(os.environ.get("GGUFSPEC_CACHE", Path.home() / ".cache" / "ggufspec")) / "costs.json"
-    key = json.dumps([_identity(target), _identity(draft) if draft else None, k_max, machine(), "attention"])
+    key = json.dumps([_identity(target), _identity(draft) if draft else None, k_max, machine()])
     try:
         table = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -151,7 +124,7 @@ def cached_measure(target: LlamaCppDecoder, draft: LlamaCppDecoder | None, k_max
     model, spread = measure(target, draft, k_max)
     if spread > MAX_SPREAD:
         return model
-    table[key] = {k: v for k, v in asdict(model).items() if k != "context"}
+    table[key] = asdict(model)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -267,7 +240,7 @@ class AdaptiveLength:
             steps = n1 - n0 if k1 - k0 <= n1 - n0 + 1 else 0
             c.observe(drafted + 1, t1 - t0, steps, d1 - d0)
         if self._probing:  # back off unless the probe itself beat plain steps
-            paid = (accepted + 1) * c.verify_seconds(1) >= spent
+            paid = (accepted + 1) * c.verify[0] >= spent
             self._probe_every = PROBE_EVERY if paid else min(2 * self._probe_every, PROBE_EVERY_MAX)
 
 
@@ -305,7 +278,6 @@ class AutoDrafter:
         return self.model_length is not None and self.model_length.planned() > 0
 
     def propose(self, context, k, params, rng):
-        self.costs.context = len(context)
         self.source = self.lookup_length
         n = min(self.lookup_length.choose(), k)
         if n:  # searched only when its guess would be verified: on a fast target the search shows

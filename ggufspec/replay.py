@@ -9,9 +9,8 @@ proposals could still gain: the headroom left to a better policy rather than a b
 
 from __future__ import annotations
 
-
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -87,11 +86,10 @@ def replay(traces: Iterable[Trace], costs: CostModel, policy: str, k: int, max_t
     """Price every step of `policy` (one of POLICIES) with draft length k over the traces."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}: one of {', '.join(POLICIES)}")
-    costs = replace(costs)  # priced at each step's context length, without touching the caller's
     lookup = LookupDrafter(n_vocab=0)
     auto = None
     if policy == "auto":
-        auto = AutoDrafter(lookup, _Guesses([]), CostModel(list(costs.verify), costs.draft, costs.attention), k)
+        auto = AutoDrafter(lookup, _Guesses([]), CostModel(list(costs.verify), costs.draft), k)
     total = Replay()
     for tr in traces:
         if auto is not None:
@@ -99,7 +97,6 @@ def replay(traces: Iterable[Trace], costs: CostModel, policy: str, k: int, max_t
             auto.restart()
         t, end = tr.prompt_len, min(len(tr.tokens), tr.prompt_len + max_tokens)
         while t < end:
-            costs.context = t
             room = min(k, end - t - 1)  # as the engine does: never draft past the token limit
             model = [tr.guess[i] if i < len(tr.guess) else -1 for i in range(t - 1, t - 1 + room)]
             options = {  # proposal, draft decodes it costs
@@ -138,7 +135,7 @@ class _Guesses:
 
 
 def _cost(costs: CostModel, proposal: list[int], decodes: int) -> float:
-    return costs.verify_seconds(len(proposal) + 1) + decodes * costs.draft
+    return costs.verify[min(len(proposal), len(costs.verify) - 1)] + decodes * costs.draft
 
 
 def replay_table(traces: list[Trace], costs: CostModel, k: int, max_tokens: int) -> list[tuple[str, str, Replay, float]]:
