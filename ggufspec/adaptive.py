@@ -29,6 +29,10 @@ OPTIMISTIC = 0.9  # probes are made only if drafts kept this often would beat pl
 # use (measured on an AVX-512 machine here: probes at a 12% optimistic gain made `auto` 8% slower)
 PROBE_GAIN = 1.2
 MIN_GAIN = 1.05  # drafting only when expected to beat plain decoding by this factor
+# Costs are learned per context size: up to this many cached tokens, twice as many, four times... (past 256
+# cached tokens llama.cpp's CPU flash attention decodes a batch with other kernels than one token: measured
+# here, a 4-token batch cost 1.3 decodes after 250 tokens and 1.9 after 500)
+CONTEXT_SIZE = 256
 
 
 @dataclass
@@ -78,6 +82,23 @@ class CostModel:
                 self.draft *= ratio ** weight
         if draft_decodes:
             self.draft += (1 - (1 - weight) ** draft_decodes) * (draft_s / draft_decodes - self.draft)
+
+
+class ContextCosts:
+    """A CostModel per context size (up to CONTEXT_SIZE cached tokens, up to twice that, ...), each
+    learning from the steps taken at its size: a batch attends to the whole context, so what a long
+    prompt teaches must not price a short one. A size first used starts from the next smaller one."""
+
+    def __init__(self, base: CostModel) -> None:
+        self.base = base
+        self._by_size: dict[int, CostModel] = {0: base}
+
+    def at(self, n_ctx: int) -> CostModel:
+        size = (max(n_ctx - 1, 0) // CONTEXT_SIZE).bit_length()
+        if size not in self._by_size:
+            smaller = self._by_size[max(s for s in self._by_size if s < size)]
+            self._by_size[size] = CostModel(list(smaller.verify), smaller.draft)
+        return self._by_size[size]
 
 
 def measure(target: Decoder, draft: Decoder | None, k_max: int, repeats: int = 5) -> tuple[CostModel, float]:
@@ -255,13 +276,21 @@ class AutoDrafter:
     def __init__(self, lookup: LookupDrafter, model: ModelDrafter | None, costs: CostModel, k_max: int,
                  target: LlamaCppDecoder | None = None, draft: LlamaCppDecoder | None = None) -> None:
         self.lookup, self.model, self.k_max = lookup, model, k_max
-        self.lookup_length = AdaptiveLength(costs, k_max, free=True)
+        self.context_costs = ContextCosts(costs)
+        self.lookup_length = AdaptiveLength(costs, k_max, free=True, target=target)
         self.model_length = AdaptiveLength(costs, k_max, target=target, draft=draft) if model is not None else None
         self.source: AdaptiveLength | None = None  # whose proposal the target is judging
 
     @property
     def costs(self) -> CostModel:
-        return self.lookup_length.costs
+        """The cost model measured at start-up (short context)."""
+        return self.context_costs.base
+
+    def price_at(self, n_ctx: int) -> None:
+        """Price the next steps at the costs learned for a context of n_ctx tokens."""
+        for length in (self.lookup_length, self.model_length):
+            if length is not None:
+                length.costs = self.context_costs.at(n_ctx)
 
     def restart(self) -> AutoDrafter:
         for length in (self.lookup_length, self.model_length):
@@ -273,11 +302,14 @@ class AutoDrafter:
         self.source = None
         return self.k_max  # the source and length are picked in propose(), which sees the context
 
-    def uses_model(self) -> bool:
-        """Whether the draft model drafts at this point (probes aside)."""
+    def uses_model(self, n_ctx: int | None = None) -> bool:
+        """Whether the draft model drafts at this point, or after n_ctx tokens of context (probes aside)."""
+        if n_ctx is not None:
+            self.price_at(n_ctx)
         return self.model_length is not None and self.model_length.planned() > 0
 
     def propose(self, context, k, params, rng):
+        self.price_at(len(context))
         self.source = self.lookup_length
         n = min(self.lookup_length.choose(), k)
         if n:  # searched only when its guess would be verified: on a fast target the search shows

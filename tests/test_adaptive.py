@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import ggufspec.adaptive as adaptive
-from ggufspec.adaptive import MIN_GAIN, PROBE_EVERY, AdaptiveLength, AutoDrafter, CostModel, measure
+from ggufspec.adaptive import MIN_GAIN, PROBE_EVERY, AdaptiveLength, AutoDrafter, ContextCosts, CostModel, measure
 from ggufspec.drafters import LookupDrafter, ModelDrafter
 from ggufspec.sampling import SamplingParams
 
@@ -281,3 +281,36 @@ def test_cost_cache_is_per_machine(tiny_target, tiny_draft, tmp_path, monkeypatc
         adaptive.cached_measure(t, d, 2)
         assert len(calls) == 2  # another machine's costs are never reused
     assert llama_cpp.__version__ in real_machine()  # a new llama.cpp build re-measures too
+
+
+def test_costs_learned_at_a_long_context_do_not_price_a_short_one() -> None:
+    """Lookup steps time themselves too, and what batches cost after 700 tokens (here 2.4 decodes for 4 tokens,
+    where flash attention changes kernels) turns lookup off there, yet leaves it on after 100 tokens."""
+    from types import SimpleNamespace
+
+    greedy, rng = SamplingParams(), np.random.default_rng(0)
+    target = SimpleNamespace(decode_seconds=0.0, n_decodes=0, n_decoded_tokens=0)
+    auto = AutoDrafter(LookupDrafter(100), None, CostModel(list(XEON.verify), XEON.draft), 3, target=target)
+    costs_at_700 = [0.125, 0.21, 0.26, 0.30]
+    verified = []
+    for _ in range(15):
+        auto.lookup_length.acceptance = [0.6] * 3  # at the XEON costs, 0.6 pays; at those after 700 tokens, not
+        auto.choose()
+        tokens, _ = auto.propose([5, 6, 7, 8, 9] * 140, 3, greedy, rng)
+        target.decode_seconds += costs_at_700[len(tokens)]
+        auto.update(len(tokens), min(1, len(tokens)))
+        verified.append(len(tokens))
+    assert verified[0] == 3 and verified[-5:] == [0] * 5
+    auto.lookup_length.acceptance = [0.6] * 3
+    auto.choose()
+    assert auto.propose([5, 6, 7, 8, 9] * 20, 3, greedy, rng)[0] == [5, 6, 7]
+    assert auto.costs.verify == XEON.verify  # the start-up measurement prices short contexts still
+
+
+def test_each_context_size_learns_its_own_costs() -> None:
+    sizes = ContextCosts(CostModel([0.1, 0.15], 0.01))
+    assert sizes.at(1) is sizes.at(256) is sizes.base
+    longer = sizes.at(257)
+    assert longer is sizes.at(512) and longer is not sizes.base and longer.verify == sizes.base.verify
+    longer.observe(2, 0.3, 0, 0.0)
+    assert sizes.base.verify == [0.1, 0.15] and sizes.at(2000).verify == longer.verify  # a new size starts from below
