@@ -279,6 +279,7 @@ class AutoDrafter:
         self.context_costs = ContextCosts(costs)
         self.lookup_length = AdaptiveLength(costs, k_max, free=True, target=target)
         self.model_length = AdaptiveLength(costs, k_max, target=target, draft=draft) if model is not None else None
+        self.draft = draft
         self.source: AdaptiveLength | None = None  # whose proposal the target is judging
 
     @property
@@ -316,12 +317,21 @@ class AutoDrafter:
             tokens, q = self.lookup.propose(context, n, params, rng)
             if tokens and not self._model_beats_lookup(len(tokens)):
                 return tokens, q
-        if self.model_length is not None:
+        if self.model_length is not None and self._catch_up_pays(len(context)):
             self.source = self.model_length
             n = min(self.model_length.choose(), k)
             if n:
                 return self.model.propose(context, n, params, rng)
         return [], None
+
+    def _catch_up_pays(self, n_ctx: int) -> bool:
+        """The draft model is not started where catching up on the context it has not seen would cost more
+        than the plain steps between two probes (charged at a draft step a token, an upper bound): after a long
+        prompt it was not prefilled for, the catch-up took 2.3-3.3 s here, more than 64 tokens can win back."""
+        if self.draft is None:
+            return True
+        m = self.model_length
+        return (n_ctx - len(self.draft.history)) * m.costs.draft <= m._probe_every * m.costs.verify[0]
 
     def _model_beats_lookup(self, n: int) -> bool:
         """While the draft model drafts, lookup is not free: the draft must still decode every token a lookup

@@ -314,3 +314,22 @@ def test_each_context_size_learns_its_own_costs() -> None:
     assert longer is sizes.at(512) and longer is not sizes.base and longer.verify == sizes.base.verify
     longer.observe(2, 0.3, 0, 0.0)
     assert sizes.base.verify == [0.1, 0.15] and sizes.at(2000).verify == longer.verify  # a new size starts from below
+
+
+def test_the_draft_model_is_not_started_where_its_catch_up_cannot_pay(tiny_draft) -> None:
+    """After a long prompt the draft was not prefilled for, its catch-up costs more than drafting can win back."""
+    from types import SimpleNamespace
+
+    greedy, rng = SamplingParams(), np.random.default_rng(0)
+    fast = CostModel([0.082, 0.138, 0.194, 0.131], 0.012)  # where the draft model pays
+    target = SimpleNamespace(decode_seconds=0.0)
+    with open_decoder(tiny_draft) as d:
+        auto = AutoDrafter(LookupDrafter(d.n_vocab), ModelDrafter(d, d.n_vocab), fast, 3, target=target, draft=d)
+        auto.model_length.acceptance = [0.8] * 3
+        long_prompt = list(range(10, 310))  # 300 unseen tokens at 12 ms > 16 plain steps at 82 ms
+        auto.choose()
+        assert auto.propose(long_prompt, 3, greedy, rng) == ([], None) and d.n_decodes == 0
+        auto.update(0, 0)
+        auto.choose()
+        tokens, _ = auto.propose(long_prompt[:40], 3, greedy, rng)  # 40 tokens: worth catching up on
+        assert len(tokens) == 3 and auto.source is auto.model_length and d.n_decodes > 0
