@@ -19,7 +19,7 @@ from pathlib import Path
 
 import llama_cpp
 
-from .decoder import Decoder, LlamaCppDecoder
+from .decoder import Decoder, LlamaCppDecoder, common_prefix
 from .drafters import LookupDrafter, ModelDrafter
 
 PROBE_EVERY = 16  # plain steps before the first probe while speculation is off; doubled after each failed one
@@ -317,21 +317,22 @@ class AutoDrafter:
             tokens, q = self.lookup.propose(context, n, params, rng)
             if tokens and not self._model_beats_lookup(len(tokens)):
                 return tokens, q
-        if self.model_length is not None and self._catch_up_pays(len(context)):
+        if self.model_length is not None and self._catch_up_pays(context):
             self.source = self.model_length
             n = min(self.model_length.choose(), k)
             if n:
                 return self.model.propose(context, n, params, rng)
         return [], None
 
-    def _catch_up_pays(self, n_ctx: int) -> bool:
+    def _catch_up_pays(self, context: list[int]) -> bool:
         """The draft model is not started where catching up on the context it has not seen would cost more
         than the plain steps between two probes (charged at a draft step a token, an upper bound): after a long
         prompt it was not prefilled for, the catch-up took 2.3-3.3 s here, more than 64 tokens can win back."""
         if self.draft is None:
             return True
         m = self.model_length
-        return (n_ctx - len(self.draft.history)) * m.costs.draft <= m._probe_every * m.costs.verify[0]
+        unseen = len(context) - common_prefix(self.draft.history, context)
+        return unseen * m.costs.draft <= m._probe_every * m.costs.verify[0]
 
     def _model_beats_lookup(self, n: int) -> bool:
         """While the draft model drafts, lookup is not free: the draft must still decode every token a lookup

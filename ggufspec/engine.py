@@ -196,7 +196,9 @@ class SpeculativeEngine:
             # The last prompt token is decoded by the first step, so every position is decoded once. `auto`
             # prefills the draft only where it expects to draft with it; elsewhere the draft catches up when
             # first used (often never: on many CPUs the draft model does not pay).
-            uses_draft = draft is not None and (method == "vanilla" or method == "auto" and drafting[0].uses_model(len(tokens)))
+            uses_draft = draft is not None and (
+                method == "vanilla" or method == "auto" and drafting[0].uses_model(len(tokens))
+            )
             for d in (target, draft) if uses_draft else (target,):
                 if len(tokens) > 1:
                     d.sync(tokens[:-1])
