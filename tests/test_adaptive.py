@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import llama_cpp
 import numpy as np
 import pytest
@@ -134,8 +136,6 @@ def test_no_model_probes_where_a_perfect_run_would_gain_only_a_little() -> None:
 
 def test_a_probe_is_charged_the_draft_catching_up() -> None:
     """A probe pays only if it beat plain steps counting every second it took, the draft's catch-up batch too."""
-    from types import SimpleNamespace
-
     fast = CostModel([0.082, 0.138, 0.194, 0.131], 0.012)  # where drafting pays (4 tokens for 1.6 decodes)
     clock = lambda: SimpleNamespace(decode_seconds=0.0, n_decodes=0, n_decoded_tokens=0)  # noqa: E731
     gaps = {}
@@ -286,8 +286,6 @@ def test_cost_cache_is_per_machine(tiny_target, tiny_draft, tmp_path, monkeypatc
 def test_costs_learned_at_a_long_context_do_not_price_a_short_one() -> None:
     """Lookup steps time themselves too, and what batches cost after 700 tokens (here 2.4 decodes for 4 tokens,
     where flash attention changes kernels) turns lookup off there, yet leaves it on after 100 tokens."""
-    from types import SimpleNamespace
-
     greedy, rng = SamplingParams(), np.random.default_rng(0)
     target = SimpleNamespace(decode_seconds=0.0, n_decodes=0, n_decoded_tokens=0)
     auto = AutoDrafter(LookupDrafter(100), None, CostModel(list(XEON.verify), XEON.draft), 3, target=target)
@@ -318,8 +316,6 @@ def test_each_context_size_learns_its_own_costs() -> None:
 
 def test_the_draft_model_is_not_started_where_its_catch_up_cannot_pay(tiny_draft) -> None:
     """After a long prompt the draft was not prefilled for, its catch-up costs more than drafting can win back."""
-    from types import SimpleNamespace
-
     greedy, rng = SamplingParams(), np.random.default_rng(0)
     fast = CostModel([0.082, 0.138, 0.194, 0.131], 0.012)  # where the draft model pays
     target = SimpleNamespace(decode_seconds=0.0)
