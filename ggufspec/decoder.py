@@ -30,6 +30,7 @@ class Decoder(Protocol):
     history: list[int]
     n_vocab: int
     n_ctx: int
+    n_deferred: int  # history's last tokens not in the KV cache yet: the next decode carries them in front
 
     def feed(self, tokens: Sequence[int], all_logits: bool = True, view: bool = False) -> np.ndarray:
         """Decode `tokens` after the history in one pass; logits of every position (or the last), (n, V).
@@ -50,7 +51,8 @@ class Decoder(Protocol):
         """Logits (n, V) of tree nodes after the history in one pass; parents[i] < i, -1 for the roots."""
 
     def commit_tree_path(self, path: Sequence[int]) -> None:
-        """After tree_logits: append the nodes of `path` (root to node) to the history, drop the rest."""
+        """After tree_logits: append the nodes of `path` (root to node) to the history, drop the rest
+        (nodes that would break the cache's position order are deferred: see n_deferred)."""
 
 
 @dataclass
@@ -151,7 +153,10 @@ class LlamaCppDecoder:
         self.n_decodes = 0
         self.n_decoded_tokens = 0
         self._n_out = 0
+        self._skip = 0  # leading rows of the last decode that were deferred tokens, not asked for
+        self._deferred: list[int] = []
         self._tree: _Tree | None = None
+        self._tree_pre: list[int] = []  # deferred tokens decoded in front of the pending tree
 
     # --- metadata -------------------------------------------------------------------------
 
@@ -168,10 +173,26 @@ class LlamaCppDecoder:
 
     # --- decoding -------------------------------------------------------------------------
 
+    @property
+    def n_deferred(self) -> int:
+        return len(self._deferred)
+
     def feed(self, tokens: Sequence[int], all_logits: bool = True, view: bool = False) -> np.ndarray:
-        n = len(tokens)
-        if n == 0:
+        if len(tokens) == 0:
             raise ValueError("feed needs at least one token")
+        self._end_tree()
+        pre = self._take_deferred()
+        base = len(self.history)
+        try:
+            rows = self._feed([*pre, *tokens], all_logits, view)
+        except BaseException:
+            self._restore_deferred(pre, base)
+            raise
+        self._skip = len(pre) if all_logits and len(pre) + len(tokens) <= self.options.n_batch else 0
+        return rows[len(pre):] if all_logits else rows
+
+    def _feed(self, tokens: Sequence[int], all_logits: bool, view: bool) -> np.ndarray:
+        n = len(tokens)
         if len(self.history) + n > self.n_ctx:
             if self.shift_keep is None:
                 raise ContextLengthError(
@@ -201,7 +222,7 @@ class LlamaCppDecoder:
             raise GGUFSpecError(f"llama_decode failed with code {rc} at position {len(self.history)}")
         self.history.extend(int(t) for t in tokens)
         self._n_out = len(tokens) if all_logits else 1
-        self._tree = None
+        self._skip = 0
 
     def _logits(self, n_rows: int, view: bool = False) -> np.ndarray:
         ptr = llama_cpp.llama_get_logits(self._ctx)
@@ -237,36 +258,68 @@ class LlamaCppDecoder:
     def rollback_to(self, n: int) -> None:
         if not 0 <= n <= len(self.history):
             raise ValueError(f"cannot roll back to {n}: the history holds {len(self.history)} tokens")
-        if n < len(self.history):
+        self._end_tree()
+        cached = len(self.history) - len(self._deferred)
+        if n < cached:
             if not llama_cpp.llama_memory_seq_rm(self._mem_checked(), -1, n, -1):
                 raise GGUFSpecError("this model's memory cannot be rolled back partially (recurrent model?)")
-            del self.history[n:]
-        self._tree = None
+        del self._deferred[max(n - cached, 0):]
+        del self.history[n:]
 
     def reset(self) -> None:
         """Forget the whole history."""
         llama_cpp.llama_memory_clear(self._mem_checked(), True)
         self.history.clear()
-        self._tree = None
+        self._deferred.clear()
+        self._tree, self._tree_pre = None, []
+
+    def _take_deferred(self) -> list[int]:
+        pre, self._deferred = self._deferred, []
+        if pre:
+            del self.history[-len(pre):]
+        return pre
+
+    def _restore_deferred(self, pre: list[int], base: int) -> None:
+        """After a failed decode: deferred tokens it did not get into the cache stay deferred."""
+        if pre and len(self.history) == base:
+            self.history.extend(pre)
+            self._deferred = pre
 
     def hidden_states(self) -> np.ndarray:
         if not self.options.embeddings:
             raise GGUFSpecError("hidden states need a decoder created with embeddings=True")
         ptr = llama_cpp.llama_get_embeddings(self._require_ctx())
-        return np.ctypeslib.as_array(ptr, shape=(self._n_out, self.n_embd)).copy()
+        return np.ctypeslib.as_array(ptr, shape=(self._n_out, self.n_embd))[self._skip :].copy()
 
     # --- trees ----------------------------------------------------------------------------
 
     def tree_logits(self, tokens: Sequence[int], parents: Sequence[int]) -> np.ndarray:
+        self._end_tree()
+        pre = self._take_deferred()  # decoded as a chain above the roots
+        base = len(self.history)
+        try:
+            logits = self._decode_tree(
+                [*pre, *tokens], [*range(-1, len(pre) - 1), *(p + len(pre) if p >= 0 else len(pre) - 1 for p in parents)]
+            )
+        except BaseException:
+            self._restore_deferred(pre, base)
+            raise
+        self.history.extend(pre)  # in the cache now, but only in the tree's sequences until the commit
+        self._tree_pre, self._skip = pre, len(pre)
+        return logits[len(pre):]
+
+    def _decode_tree(self, tokens: Sequence[int], parents: Sequence[int]) -> np.ndarray:
         tree = _Tree.build(parents)
         if tree.n_leaves + 1 > self.options.n_seq_max:
             raise GGUFSpecError(
                 f"a tree with {tree.n_leaves} leaves needs n_seq_max >= {tree.n_leaves + 1}, "
                 f"this context has {self.options.n_seq_max}"
             )
+        if len(self.history) + tree.depth_max + 1 > self.n_ctx:
+            if self.shift_keep is None:
+                raise ContextLengthError(f"the tree does not fit the context of {self.n_ctx} tokens")
+            self.shift(tree.depth_max + 1)
         base = len(self.history)
-        if base + tree.depth_max + 1 > self.n_ctx:
-            raise ContextLengthError(f"the tree does not fit the context of {self.n_ctx} tokens")
         if len(tokens) > self._batch.capacity:
             raise GGUFSpecError(f"a tree of {len(tokens)} nodes needs n_batch >= {len(tokens)}")
         mem = self._mem_checked()
@@ -292,23 +345,43 @@ class LlamaCppDecoder:
         tree = self._tree
         if tree is None:
             raise GGUFSpecError("commit_tree_path needs a tree_logits call just before it")
+        n_pre = len(self._tree_pre)
+        full = [*range(n_pre), *(int(i) + n_pre for i in path)]
+        for a, b in zip(full, full[1:]):
+            if tree.parents[b] != a:
+                raise ValueError(f"node {b - n_pre} is not a child of node {a - n_pre}" if a >= n_pre else
+                                 f"path must start at a root node, node {b - n_pre} is not one")
+        if full and tree.parents[full[0]] != -1:
+            raise ValueError(f"path must start at a root node, node {full[0]} is not one")
         mem = self._mem
-        base = len(self.history)
-        if path:
-            for a, b in zip(path, path[1:]):
-                if tree.parents[b] != a:
-                    raise ValueError(f"node {b} is not a child of node {a}")
-            if tree.parents[path[0]] != -1:
-                raise ValueError(f"path must start at a root node, node {path[0]} is not one")
-            leaf_seq = tree.seq_ids[path[-1]][0]
-            llama_cpp.llama_memory_seq_rm(mem, leaf_seq, base + len(path), -1)
+        base = len(self.history) - n_pre
+        if full:
+            leaf_seq = tree.seq_ids[full[-1]][0]
+            llama_cpp.llama_memory_seq_rm(mem, leaf_seq, base + len(full), -1)
             llama_cpp.llama_memory_seq_keep(mem, leaf_seq)
             llama_cpp.llama_memory_seq_cp(mem, leaf_seq, 0, -1, -1)
             llama_cpp.llama_memory_seq_rm(mem, leaf_seq, -1, -1)
         else:
             llama_cpp.llama_memory_seq_keep(mem, 0)
-        self.history.extend(self._tree_tokens[i] for i in path)
-        self._tree = None
+        # Node i of the batch sits in the cache cell after node i-1's. The path's nodes after its first gap
+        # would sit past freed cells that later tokens fill: out of position order, and llama.cpp's attention
+        # adds up cells in cache order, so its logits would drift from plain decoding's (by up to 0.9 on the
+        # bench pair here). Those nodes are dropped from the cache and decoded again in front of the next batch.
+        contiguous = next((i for i, node in enumerate(full) if node != i), len(full))
+        if contiguous < len(full):
+            llama_cpp.llama_memory_seq_rm(mem, 0, base + contiguous, -1)
+        committed = [self._tree_tokens[i] for i in full]
+        del self.history[base:]
+        self.history.extend(committed)
+        self._deferred = committed[contiguous:]
+        self._tree, self._tree_pre = None, []
+
+    def _end_tree(self) -> None:
+        """Drop an uncommitted tree from the cache: the history is as it was before tree_logits."""
+        if self._tree is not None:
+            llama_cpp.llama_memory_seq_keep(self._mem, 0)  # the tree's cells are in its leaves' sequences only
+            self._deferred = self._tree_pre
+            self._tree, self._tree_pre = None, []
 
     # --- lifetime -------------------------------------------------------------------------
 
