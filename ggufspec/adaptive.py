@@ -20,7 +20,7 @@ from pathlib import Path
 import llama_cpp
 
 from .decoder import Decoder, LlamaCppDecoder, common_prefix
-from .drafters import LookupDrafter, ModelDrafter
+from .drafters import Draft, LookupDrafter, ModelDrafter
 
 PROBE_EVERY = 16  # plain steps before the first probe while speculation is off; doubled after each failed one
 PROBE_EVERY_MAX = 128
@@ -211,18 +211,20 @@ class AdaptiveLength:
         self.acceptance = [prior] * k_max
         self._off_steps, self._probe_every, self._probing = 0, PROBE_EVERY, False
         self._clocks = (target, draft)  # their decode counters time each step for costs.observe
-        self._start = (0.0, 0.0, 0, 0)
+        self._start = (0.0, 0, 0.0, 0, 0)
 
     def restart(self) -> AdaptiveLength:
         """Ready for the next generation: keep what was learned, acceptance halfway back to the prior."""
         self.acceptance = [(a + self.prior) / 2 for a in self.acceptance]
         return self
 
-    def _read_clocks(self) -> tuple[float, float, int, int]:
+    def _read_clocks(self) -> tuple[float, int, float, int, int]:
+        """Target seconds and tokens decoded; draft seconds, decodes and tokens."""
         target, draft = self._clocks
+        t = (target.decode_seconds, target.n_decoded_tokens) if target else (0.0, 0)
         if draft is None:
-            return target.decode_seconds if target else 0.0, 0.0, 0, 0
-        return target.decode_seconds, draft.decode_seconds, draft.n_decodes, draft.n_decoded_tokens
+            return *t, 0.0, 0, 0
+        return *t, draft.decode_seconds, draft.n_decodes, draft.n_decoded_tokens
 
     def planned(self) -> int:
         """The length choose() would pick now, probes aside; no side effects."""
@@ -255,11 +257,12 @@ class AdaptiveLength:
         c = self.costs
         spent = c.step_seconds(drafted, self.free)
         if self._clocks[0] is not None:
-            (t0, d0, n0, k0), (t1, d1, n1, k1) = self._start, self._read_clocks()
+            (t0, b0, d0, n0, k0), (t1, b1, d1, n1, k1) = self._start, self._read_clocks()
             spent = (t1 - t0) + (d1 - d0)  # what the step really cost, the draft's catching up included
             # a draft catching up on many tokens in one batch says little about one draft step
             steps = n1 - n0 if k1 - k0 <= n1 - n0 + 1 else 0
-            c.observe(drafted + 1, t1 - t0, steps, d1 - d0)
+            # the batch the target decoded: deferred tokens (see commit_tree_path) may ride in front of the drafts
+            c.observe(b1 - b0 or drafted + 1, t1 - t0, steps, d1 - d0)
         if self._probing:  # back off unless the probe itself beat plain steps
             paid = (accepted + 1) * c.verify[0] >= spent
             self._probe_every = PROBE_EVERY if paid else min(2 * self._probe_every, PROBE_EVERY_MAX)
@@ -314,15 +317,15 @@ class AutoDrafter:
         self.source = self.lookup_length
         n = min(self.lookup_length.choose(), k)
         if n:  # searched only when its guess would be verified: on a fast target the search shows
-            tokens, q = self.lookup.propose(context, n, params, rng)
-            if tokens and not self._model_beats_lookup(len(tokens)):
-                return tokens, q
+            draft = self.lookup.propose(context, n, params, rng)
+            if draft.tokens and not self._model_beats_lookup(len(draft.tokens)):
+                return draft
         if self.model_length is not None and self._catch_up_pays(context):
             self.source = self.model_length
             n = min(self.model_length.choose(), k)
             if n:
                 return self.model.propose(context, n, params, rng)
-        return [], None
+        return Draft([])
 
     def _catch_up_pays(self, context: list[int]) -> bool:
         """The draft model is not started where catching up on the context it has not seen would cost more

@@ -7,7 +7,7 @@ import threading
 import time
 from pathlib import Path
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import numpy as np
@@ -32,6 +32,7 @@ from .textstream import TextStream
 
 Method = Literal["autoregressive", "vanilla", "lookup", "auto", "medusa"]
 StopReason = Literal["stop", "max_tokens", "length", "interrupted"]
+DRAFT_TREE_SEQUENCES = 8  # a target paired with a draft holds `auto`'s greedy draft trees of up to 7 leaves
 
 
 @dataclass
@@ -107,7 +108,10 @@ class SpeculativeEngine:
         headers = [read_header(p) for p in paths]
         if options.memory_check and options.n_gpu_layers == 0:
             check_memory(list(zip(paths, headers)), options.n_ctx)
-        target = LlamaCppDecoder(target_path, options)
+        target_options = options
+        if draft_path is not None:  # room for `auto`'s draft trees (a unified cache: same size, same speed here)
+            target_options = replace(options, n_seq_max=max(options.n_seq_max, DRAFT_TREE_SEQUENCES))
+        target = LlamaCppDecoder(target_path, target_options)
         draft = None
         try:
             if draft_path is not None:
@@ -244,9 +248,10 @@ class SpeculativeEngine:
     def _drafting(self, method: str, draft: LlamaCppDecoder | None, s: GenerationSettings):
         """The drafter and draft-length policy of a speculative method."""
         n_vocab = self.target.n_vocab
-        model = ModelDrafter(draft, n_vocab, s.draft_p_min) if draft is not None else None
-        if method == "vanilla":
-            return model, FixedLength(s.draft_max)
+        if method == "vanilla":  # the textbook method: chains of fixed length
+            return ModelDrafter(draft, n_vocab, s.draft_p_min), FixedLength(s.draft_max)
+        tree_leaves = self.target.options.n_seq_max - 1
+        model = ModelDrafter(draft, n_vocab, s.draft_p_min, tree_leaves) if draft is not None else None
         lookup = LookupDrafter(n_vocab)
         if method == "lookup":
             return lookup, FixedLength(s.draft_max)

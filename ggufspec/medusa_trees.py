@@ -1,4 +1,5 @@
-"""Medusa candidate trees: Medusa's choices format, the shipped trees, and the arrays built once per tree.
+"""Candidate trees: Medusa's choices format, the shipped trees, the arrays built once per tree, and the
+target's walk down a verified tree (Medusa's, and the draft model's greedy trees).
 
 A choice is a path of ranks: [2, 0] is "head 0's 3rd-best token, then head 1's best token after it".
 The verified tree has one more node, the root (index 0): the token the target committed last, not yet
@@ -14,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import GGUFSpecError
+from .sampling import SamplingParams, pick
 
 
 class TreeError(GGUFSpecError):
@@ -72,9 +74,23 @@ class Tree:
         return build_tree([c for c in self.choices if len(c) <= max_depth])
 
 
-def build_tree(choices: list[list[int]] | list[tuple[int, ...]]) -> Tree:
-    """Arrays of a choices list; sorted by depth then ranks, every prefix must be present."""
-    paths = sorted({tuple(int(r) for r in c) for c in choices}, key=lambda c: (len(c), c))
+def walk(tree: Tree, tokens: np.ndarray, logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> tuple[list[int], int]:
+    """The target's own picks down the tree: the path of matched nodes (root first) and the next token."""
+    path = [0]
+    while True:
+        token = pick(logits[path[-1]], params, rng)
+        kids = tree.children(path[-1])
+        match = kids[tokens[kids] == token]
+        if len(match) == 0:
+            return path, token
+        path.append(int(match[0]))
+
+
+def build_tree(choices: list[list[int]] | list[tuple[int, ...]], keep_order: bool = False) -> Tree:
+    """Arrays of a choices list; every prefix must be present. Nodes sorted by depth then ranks, or
+    keep_order: in the order given (each after its prefix)."""
+    paths = [tuple(int(r) for r in c) for c in choices]
+    paths = list(dict.fromkeys(paths)) if keep_order else sorted(set(paths), key=lambda c: (len(c), c))
     index = {(): 0}
     for c in paths:
         if not c:

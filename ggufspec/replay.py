@@ -16,7 +16,7 @@ import numpy as np
 
 from .adaptive import AutoDrafter, CostModel
 from .bench import BenchPrompt
-from .drafters import LookupDrafter
+from .drafters import Draft, LookupDrafter
 from .engine import GenerationSettings, SpeculativeEngine
 from .sampling import SamplingParams
 
@@ -109,7 +109,7 @@ def replay(traces: Iterable[Trace], costs: CostModel, policy: str, k: int, max_t
                 proposal, decodes = max(options.values(), key=rate)
             elif auto is not None:
                 auto.choose()
-                proposal = auto.propose(tr.tokens[:t], room, GREEDY, None)[0] if room else []
+                proposal = auto.propose(tr.tokens[:t], room, GREEDY, None).tokens if room else []
                 decodes = len(proposal) if auto.source is auto.model_length else 0
             else:
                 proposal, decodes = options[policy]
@@ -131,7 +131,7 @@ class _Guesses:
 
     def propose(self, context, k, params, rng):
         t = len(context)
-        return [self.guess[i] if i < len(self.guess) else -1 for i in range(t - 1, t - 1 + k)], None
+        return Draft([self.guess[i] if i < len(self.guess) else -1 for i in range(t - 1, t - 1 + k)])
 
 
 def _cost(costs: CostModel, proposal: list[int], decodes: int) -> float:

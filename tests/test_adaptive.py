@@ -10,7 +10,9 @@ import pytest
 
 import ggufspec.adaptive as adaptive
 from ggufspec.adaptive import MIN_GAIN, PROBE_EVERY, AdaptiveLength, AutoDrafter, ContextCosts, CostModel, measure
-from ggufspec.drafters import LookupDrafter, ModelDrafter
+import ggufspec.drafters as drafters
+from ggufspec.drafters import Draft, LookupDrafter, ModelDrafter
+from ggufspec.sampling import softmax
 from ggufspec.sampling import SamplingParams
 
 from conftest import open_decoder
@@ -22,8 +24,8 @@ def test_lookup_continues_the_latest_longest_match() -> None:
     assert d.find([1, 2, 3, 4, 5, 9, 4, 5], 2) == [9, 4]  # 3-gram "9 4 5"? no: falls back to "4 5"
     assert d.find([1, 2, 3], 2) == []
     assert d.find([7, 7, 7, 7], 4) == [7]  # a run continues itself, the tail is not its own match
-    tokens, q = d.propose([5, 6, 8, 5, 6], 2, SamplingParams(1.0), np.random.default_rng(0))
-    assert tokens == [8, 5] and q.shape == (2, 100) and q[0, 8] == q[1, 5] == 1 and q.sum() == 2
+    tokens, q, tree = d.propose([5, 6, 8, 5, 6], 2, SamplingParams(1.0), np.random.default_rng(0))
+    assert tokens == [8, 5] and q.shape == (2, 100) and q[0, 8] == q[1, 5] == 1 and q.sum() == 2 and tree is None
 
 
 def test_cost_model_prefers_long_drafts_only_when_they_pay() -> None:
@@ -168,10 +170,10 @@ def test_auto_uses_lookup_where_the_draft_model_cannot_pay(tiny_target, tiny_dra
         auto.lookup_length.acceptance = [0.95] * 3  # lookup has been right: verifying its guesses pays
         repeat = [5, 6, 7, 8, 9] * 4
         assert auto.choose() == 3
-        assert auto.propose(repeat, 3, greedy, rng)[0] == [5, 6, 7] and auto.source is auto.lookup_length
+        assert auto.propose(repeat, 3, greedy, rng).tokens == [5, 6, 7] and auto.source is auto.lookup_length
         auto.update(3, 0)
         # no earlier match: the draft model, which cannot pay here, is not run; a plain step
-        assert auto.choose() == 3 and auto.propose([11, 12, 13, 14], 3, greedy, rng) == ([], None)
+        assert auto.choose() == 3 and auto.propose([11, 12, 13, 14], 3, greedy, rng) == Draft([])
         assert auto.source is auto.model_length and d.n_decodes == 0
         auto.update(0, 0)
         # where the draft model pays (a Q4_0 target on an AVX-512 machine here), it drafts
@@ -179,7 +181,7 @@ def test_auto_uses_lookup_where_the_draft_model_cannot_pay(tiny_target, tiny_dra
         auto = AutoDrafter(LookupDrafter(d.n_vocab), ModelDrafter(d, d.n_vocab), fast, 3)
         auto.model_length.acceptance = [0.8] * 3
         auto.choose()
-        tokens, _ = auto.propose([11, 12, 13, 14], 3, greedy, rng)
+        tokens = auto.propose([11, 12, 13, 14], 3, greedy, rng).tokens
         assert len(tokens) == 3 and auto.source is auto.model_length and d.n_decodes > 0
 
 
@@ -202,7 +204,7 @@ def test_lookup_gives_way_to_a_better_draft_model(tiny_draft) -> None:
             auto.model_length.acceptance = list(model_kept)
             auto.lookup_length.acceptance = list(kept)
             auto.choose()
-            tokens, _ = auto.propose(repeat, 3, greedy, rng)
+            tokens = auto.propose(repeat, 3, greedy, rng).tokens
             used = "lookup" if auto.source is auto.lookup_length else "model"
             assert used == source and (tokens == [5, 6, 7]) == (source == "lookup")
         # where the draft model does not draft at all, lookup is truly free and is used at 60% too
@@ -210,7 +212,7 @@ def test_lookup_gives_way_to_a_better_draft_model(tiny_draft) -> None:
         auto.model_length.acceptance = [0.1] * 3
         auto.lookup_length.acceptance = list(lookup_kept)
         auto.choose()
-        assert auto.propose(repeat, 3, greedy, rng)[0] == [5, 6, 7] and auto.source is auto.lookup_length
+        assert auto.propose(repeat, 3, greedy, rng).tokens == [5, 6, 7] and auto.source is auto.lookup_length
 
 
 @pytest.mark.parametrize("costs,prefilled", [(XEON, True), (AVX2, False)])
@@ -294,14 +296,14 @@ def test_costs_learned_at_a_long_context_do_not_price_a_short_one() -> None:
     for _ in range(15):
         auto.lookup_length.acceptance = [0.6] * 3  # at the XEON costs, 0.6 pays; at those after 700 tokens, not
         auto.choose()
-        tokens, _ = auto.propose([5, 6, 7, 8, 9] * 140, 3, greedy, rng)
+        tokens = auto.propose([5, 6, 7, 8, 9] * 140, 3, greedy, rng).tokens
         target.decode_seconds += costs_at_700[len(tokens)]
         auto.update(len(tokens), min(1, len(tokens)))
         verified.append(len(tokens))
     assert verified[0] == 3 and verified[-5:] == [0] * 5
     auto.lookup_length.acceptance = [0.6] * 3
     auto.choose()
-    assert auto.propose([5, 6, 7, 8, 9] * 20, 3, greedy, rng)[0] == [5, 6, 7]
+    assert auto.propose([5, 6, 7, 8, 9] * 20, 3, greedy, rng).tokens == [5, 6, 7]
     assert auto.costs.verify == XEON.verify  # the start-up measurement prices short contexts still
 
 
@@ -318,14 +320,47 @@ def test_the_draft_model_is_not_started_where_its_catch_up_cannot_pay(tiny_draft
     """After a long prompt the draft was not prefilled for, its catch-up costs more than drafting can win back."""
     greedy, rng = SamplingParams(), np.random.default_rng(0)
     fast = CostModel([0.082, 0.138, 0.194, 0.131], 0.012)  # where the draft model pays
-    target = SimpleNamespace(decode_seconds=0.0)
+    target = SimpleNamespace(decode_seconds=0.0, n_decoded_tokens=0)
     with open_decoder(tiny_draft) as d:
         auto = AutoDrafter(LookupDrafter(d.n_vocab), ModelDrafter(d, d.n_vocab), fast, 3, target=target, draft=d)
         auto.model_length.acceptance = [0.8] * 3
         long_prompt = list(range(10, 310))  # 300 unseen tokens at 12 ms > 16 plain steps at 82 ms
         auto.choose()
-        assert auto.propose(long_prompt, 3, greedy, rng) == ([], None) and d.n_decodes == 0
+        assert auto.propose(long_prompt, 3, greedy, rng) == Draft([]) and d.n_decodes == 0
         auto.update(0, 0)
         auto.choose()
-        tokens, _ = auto.propose(long_prompt[:40], 3, greedy, rng)  # 40 tokens: worth catching up on
+        tokens = auto.propose(long_prompt[:40], 3, greedy, rng).tokens  # 40 tokens: worth catching up on
         assert len(tokens) == 3 and auto.source is auto.model_length and d.n_decodes > 0
+
+
+def test_greedy_draft_trees_follow_the_draft_while_it_is_confident(tiny_draft, monkeypatch) -> None:
+    """The chain goes on while the draft gives it >= REACH_MIN; the nodes left go to its likeliest runner-ups."""
+    greedy, context = SamplingParams(), [1, 17, 29, 301, 5]
+    with open_decoder(tiny_draft) as d:
+        def ranked(prefix: list[int]) -> tuple[list[int], np.ndarray]:
+            p = softmax(d.sync(prefix)[-1, : d.n_vocab])
+            return np.argsort(-p)[:3].tolist(), np.sort(p)[::-1][:3]
+
+        chain = ModelDrafter(d, d.n_vocab).propose(context, 3, greedy, None)
+        assert chain.tree is None and len(chain.tokens) == 3
+        drafter = ModelDrafter(d, d.n_vocab, tree_leaves=3)
+        monkeypatch.setattr(drafters, "REACH_MIN", 0.0)  # always confident: the plain chain
+        assert drafter.propose(context, 3, greedy, None) == chain
+        monkeypatch.setattr(drafters, "REACH_MIN", 1.01)  # never: one guess and its two runner-ups
+        top, _ = ranked(context)
+        n0 = d.n_decodes
+        one = drafter.propose(context, 3, greedy, None)
+        assert one.tokens == top and one.tree.choices == ((0,), (1,), (2,)) and d.n_decodes - n0 <= 1
+        leaves2 = ModelDrafter(d, d.n_vocab, tree_leaves=2).propose(context, 3, greedy, None)
+        assert leaves2.tokens == top[:2] and leaves2.tree.choices == ((0,), (1,))  # a leaf for the chain's end
+        assert drafter.propose(context, 3, SamplingParams(0.8), np.random.default_rng(0)).tree is None
+        # in between (a threshold that the chain's first two guesses together fall under): two chain
+        # nodes, and the node left goes to the likelier of the two runner-ups
+        (top0, p0), (top1, p1) = ranked(context), ranked(context + chain.tokens[:1])
+        assert p0[0] * p1[0] < p0[0]
+        monkeypatch.setattr(drafters, "REACH_MIN", p0[0] * (1 + p1[0]) / 2)
+        got = drafter.propose(context, 3, greedy, None)
+        runner_up = (1,) if p0[1] > p0[0] * p1[1] else (0, 1)
+        assert got.tree.choices == ((0,), (0, 0), runner_up)  # the chain first: kept, it needs no cache repair
+        want = {(0,): top0[0], (0, 0): top1[0], (1,): top0[1], (0, 1): top1[1]}
+        assert got.tokens == [want[c] for c in got.tree.choices]

@@ -8,6 +8,7 @@ from scipy.stats import chisquare
 
 from conftest import open_decoder
 from ggufspec.adaptive import CostModel
+from ggufspec.decoder import LlamaCppDecoder
 from ggufspec.engine import GenerationSettings, SpeculativeEngine
 from ggufspec.sampling import SamplingParams, probabilities
 
@@ -104,6 +105,24 @@ def test_greedy_lookup_and_auto(smollm2_path, smollm2_q4_0, method, tmp_path, mo
         rate = _greedy_runs(engine, smollm2_path, REPETITIVE + PROMPTS[:1], [3, 6], NEAR_TIE["quantized"],
                             method=method)
     assert rate > 0.2, f"{method} should find and keep drafts on repetitive text (acceptance {rate:.2f})"
+
+
+def test_greedy_auto_draft_trees(tiny_target, tiny_draft, monkeypatch) -> None:
+    """`auto`'s draft trees commit the target's own greedy text (an f32 pair: only near-ties may differ)."""
+    import ggufspec.drafters
+    import ggufspec.engine
+
+    monkeypatch.setattr(ggufspec.engine, "cached_measure",
+                        lambda target, draft, k_max: CostModel([0.02 * (1 + 0.1 * n) for n in range(k_max + 1)], 0.002))
+    monkeypatch.setattr(ggufspec.drafters, "REACH_MIN", 0.9)  # a tree wherever the draft is not near-certain
+    trees: list[int] = []
+    tree_logits = LlamaCppDecoder.tree_logits
+    monkeypatch.setattr(LlamaCppDecoder, "tree_logits",
+                        lambda self, tokens, parents: trees.append(len(tokens)) or tree_logits(self, tokens, parents))
+    with SpeculativeEngine.load(tiny_target, tiny_draft) as engine:
+        rate = _greedy_runs(engine, tiny_target, PROMPTS, [2, 3, 6], NEAR_TIE["f32"], method="auto")
+    assert len(trees) > 20 and max(trees) > 3, f"auto should have verified draft trees ({trees})"
+    assert rate > 0.05
 
 
 @pytest.mark.parametrize("method,prompt", [("vanilla", "Once upon a time"), ("lookup", "7 8 9 7 8 9 7 8 9 7")])

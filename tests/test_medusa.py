@@ -18,8 +18,8 @@ from ggufspec.engine import GenerationSettings, SpeculativeEngine
 from ggufspec.errors import GGUFSpecError, ModelFileError
 from ggufspec.medusa_heads import Heads, medusa_decoder_options
 from ggufspec.medusa_train import save_checkpoint
-from ggufspec.medusa_trees import TREES, TreeError, build_tree, fit_tree, load_tree, tree_accepted
-from ggufspec.methods.medusa import medusa, walk
+from ggufspec.medusa_trees import TREES, TreeError, build_tree, fit_tree, load_tree, tree_accepted, walk
+from ggufspec.methods.medusa import medusa
 from ggufspec.sampling import SamplingParams, pick
 
 H = TINY.n_embd

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..decoder import Decoder
 from ..medusa_heads import Heads
-from ..medusa_trees import Tree
+from ..medusa_trees import Tree, walk
 from ..sampling import SamplingParams, pick, probabilities
 from . import Step
 
@@ -33,18 +33,6 @@ def candidates(heads: Heads, tree: Tree, h: np.ndarray, root: int) -> np.ndarray
         nodes = tree.head == k
         tokens[nodes] = best[tree.rank[nodes]]
     return tokens
-
-
-def walk(tree: Tree, tokens: np.ndarray, logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> tuple[list[int], int]:
-    """The target's own picks down the tree: the path of matched nodes (root first) and the next token."""
-    path = [0]
-    while True:
-        token = pick(logits[path[-1]], params, rng)
-        kids = tree.children(path[-1])
-        match = kids[tokens[kids] == token]
-        if len(match) == 0:
-            return path, token
-        path.append(int(match[0]))
 
 
 def walk_typical(

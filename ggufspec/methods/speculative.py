@@ -1,7 +1,8 @@
 """Speculative decoding (Leviathan et al. 2023; Chen et al. 2023), for any drafter.
 
 A drafter proposes up to k tokens, the target scores them all in one batch, and `accept`
-keeps the longest prefix that the target's own sampling would have kept.
+keeps the longest prefix that the target's own sampling would have kept. A greedy draft may be a
+token tree instead: the target keeps the path its own argmax takes through it.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from typing import Protocol
 import numpy as np
 
 from ..decoder import Decoder
-from ..drafters import Drafter
+from ..drafters import Draft, Drafter
+from ..medusa_trees import walk
 from ..sampling import SamplingParams, pick, probabilities, sample
 from . import Step
 
@@ -61,17 +63,25 @@ def speculative(
 ) -> Iterator[Step]:
     """Yield the tokens each target pass commits, at most `limit` in all; `last` is not yet decoded."""
     while limit > 0:
-        k = min(length.choose(), limit - 1)
-        drafts, q = drafter.propose(target.history + [last], k, params, rng) if k > 0 else ([], None)
-        logits = target.feed([last, *drafts], view=True)
-        if not drafts:
-            new = [pick(logits[-1], params, rng)]
-        elif params.greedy:
-            new = accept_greedy(logits, drafts)
+        # tokens the target deferred after a tree (see commit_tree_path) take draft slots: same batch size
+        k = max(0, min(length.choose() - target.n_deferred, limit - 1))
+        draft = drafter.propose(target.history + [last], k, params, rng) if k > 0 else Draft([])
+        drafts = draft.tokens
+        if draft.tree is not None:  # the target walks the tree as it walks Medusa's: its own picks, node by node
+            nodes = np.array([last, *drafts])
+            path, nxt = walk(draft.tree, nodes, target.tree_logits(nodes, draft.tree.parents), params, rng)
+            target.commit_tree_path(path)
+            new = [int(t) for t in nodes[path[1:]]] + [nxt]
         else:
-            p = probabilities(logits, params)
-            new = accept_sampled(p, pad_vocab(q, p.shape[-1]), drafts, rng)
-        target.rollback_to(len(target.history) - len(drafts) + len(new) - 1)
+            logits = target.feed([last, *drafts], view=True)
+            if not drafts:
+                new = [pick(logits[-1], params, rng)]
+            elif params.greedy:
+                new = accept_greedy(logits, drafts)
+            else:
+                p = probabilities(logits, params)
+                new = accept_sampled(p, pad_vocab(draft.q, p.shape[-1]), drafts, rng)
+            target.rollback_to(len(target.history) - len(drafts) + len(new) - 1)
         length.update(len(drafts), len(new) - 1)
         yield Step(new, len(drafts))
         last = new[-1]
