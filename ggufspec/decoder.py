@@ -298,9 +298,7 @@ class LlamaCppDecoder:
         pre = self._take_deferred()  # decoded as a chain above the roots
         base = len(self.history)
         try:
-            logits = self._decode_tree(
-                [*pre, *tokens], [*range(-1, len(pre) - 1), *(p + len(pre) if p >= 0 else len(pre) - 1 for p in parents)]
-            )
+            logits = self._decode_tree([*pre, *tokens], [*range(-1, len(pre) - 1), *(p + len(pre) for p in parents)])
         except BaseException:
             self._restore_deferred(pre, base)
             raise
@@ -345,14 +343,13 @@ class LlamaCppDecoder:
         tree = self._tree
         if tree is None:
             raise GGUFSpecError("commit_tree_path needs a tree_logits call just before it")
-        n_pre = len(self._tree_pre)
+        n_pre = len(self._tree_pre)  # the deferred tokens in front: the caller's node i is node i + n_pre
+        for a, b in zip(path, path[1:]):
+            if tree.parents[b + n_pre] != a + n_pre:
+                raise ValueError(f"node {b} is not a child of node {a}")
+        if path and tree.parents[path[0] + n_pre] != n_pre - 1:
+            raise ValueError(f"path must start at a root node, node {path[0]} is not one")
         full = [*range(n_pre), *(int(i) + n_pre for i in path)]
-        for a, b in zip(full, full[1:]):
-            if tree.parents[b] != a:
-                raise ValueError(f"node {b - n_pre} is not a child of node {a - n_pre}" if a >= n_pre else
-                                 f"path must start at a root node, node {b - n_pre} is not one")
-        if full and tree.parents[full[0]] != -1:
-            raise ValueError(f"path must start at a root node, node {full[0]} is not one")
         mem = self._mem
         base = len(self.history) - n_pre
         if full:
