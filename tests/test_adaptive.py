@@ -12,8 +12,7 @@ import ggufspec.adaptive as adaptive
 from ggufspec.adaptive import MIN_GAIN, PROBE_EVERY, AdaptiveLength, AutoDrafter, ContextCosts, CostModel, measure
 import ggufspec.drafters as drafters
 from ggufspec.drafters import Draft, LookupDrafter, ModelDrafter
-from ggufspec.sampling import softmax
-from ggufspec.sampling import SamplingParams
+from ggufspec.sampling import SamplingParams, softmax
 
 from conftest import open_decoder
 

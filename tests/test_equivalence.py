@@ -7,6 +7,8 @@ import pytest
 from scipy.stats import chisquare
 
 from conftest import open_decoder
+import ggufspec.drafters
+import ggufspec.engine
 from ggufspec.adaptive import CostModel
 from ggufspec.decoder import LlamaCppDecoder
 from ggufspec.engine import GenerationSettings, SpeculativeEngine
@@ -97,7 +99,6 @@ def test_greedy_lookup_and_auto(smollm2_path, smollm2_q4_0, method, tmp_path, mo
     # On 2 cores this 135M target is compute-bound: its measured costs would (rightly) keep `auto`
     # from drafting at all. Start it from the costs of a target where drafting pays, so its drafts
     # are verified here; real step times then pull the model toward this machine's.
-    import ggufspec.engine
 
     monkeypatch.setattr(ggufspec.engine, "cached_measure",
                         lambda target, draft, k_max: CostModel([0.02 * (1 + 0.1 * n) for n in range(k_max + 1)], 0.002))
@@ -109,9 +110,6 @@ def test_greedy_lookup_and_auto(smollm2_path, smollm2_q4_0, method, tmp_path, mo
 
 def test_greedy_auto_draft_trees(tiny_target, tiny_draft, monkeypatch) -> None:
     """`auto`'s draft trees commit the target's own greedy text (an f32 pair: only near-ties may differ)."""
-    import ggufspec.drafters
-    import ggufspec.engine
-
     monkeypatch.setattr(ggufspec.engine, "cached_measure",
                         lambda target, draft, k_max: CostModel([0.02 * (1 + 0.1 * n) for n in range(k_max + 1)], 0.002))
     monkeypatch.setattr(ggufspec.drafters, "REACH_MIN", 0.9)  # a tree wherever the draft is not near-certain
