@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import importlib
+import os
 from typing import TYPE_CHECKING
+
+# numpy's OpenBLAS keeps its worker threads spinning ~0.1 s after every product (2**28 cycles by default),
+# on the cores llama.cpp's threads need next: with 2 threads each on 2 cores, a decode right after Medusa's
+# heads took ~100 ms instead of ~10. OpenBLAS reads this when it loads: it applies if numpy comes after us.
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
 # Loaded on first use, so `ggufspec --help` does not pay for importing llama.cpp.
 _EXPORTS = {

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -394,3 +397,16 @@ def test_medusa_tree_command_fits_a_tree_file(tiny_target, tmp_path) -> None:
     r = CliRunner().invoke(main, ["medusa", "tree", str(tiny_target), str(zero), str(tmp_path / "flat.npz"),
                                   str(tmp_path / "none.json")])
     assert r.exit_code == 2 and "no token" in r.output and not (tmp_path / "none.json").exists()
+
+
+def test_openblas_workers_sleep_unless_the_user_chose() -> None:
+    """Importing ggufspec first sets OpenBLAS's spin time low (heads' products then leave the cores to
+    llama.cpp), and leaves a value the user set alone."""
+    probe = "import ggufspec, numpy, os; print(os.environ['OPENBLAS_THREAD_TIMEOUT'])"
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+
+    def timeout(e: dict[str, str]) -> str:
+        return subprocess.run([sys.executable, "-c", probe], env=e, capture_output=True, text=True, check=True).stdout.strip()
+
+    assert timeout(env) == "4"
+    assert timeout({**env, "OPENBLAS_THREAD_TIMEOUT": "12"}) == "12"

@@ -12,6 +12,7 @@ medians over --repeats.
 import argparse
 import time
 
+import ggufspec  # noqa: F401  (first: it sets OpenBLAS's thread timeout before numpy loads OpenBLAS)
 import numpy as np
 
 from ggufspec.convert.medusa import MedusaHeads
