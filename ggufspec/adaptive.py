@@ -175,7 +175,8 @@ def machine() -> str:
 def _identity(d: LlamaCppDecoder) -> list[object]:
     st = d.path.stat()
     o = d.options
-    return [str(d.path), st.st_size, int(st.st_mtime), o.n_threads, o.n_threads_batch, o.n_gpu_layers, o.flash_attn]
+    return [str(d.path), st.st_size, int(st.st_mtime), o.n_threads, o.n_threads_batch, o.n_gpu_layers, o.flash_attn,
+            d.kv_type]
 
 
 class FixedLength:

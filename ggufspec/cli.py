@@ -37,6 +37,10 @@ def main() -> None:
     """Speculative decoding for GGUF models on llama.cpp: the target's own text, faster."""
 
 
+KV_TYPES = ("f16", "bf16", "f32", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl")  # decoder.KV_TYPES, spelled
+# out here so that `--help` need not import llama.cpp
+
+
 def model_options(f):
     """Options shared by every command that opens llama.cpp contexts."""
     for opt in reversed([
@@ -48,6 +52,9 @@ def model_options(f):
         click.option("--no-mmap", is_flag=True, help="Read the model into memory instead of mapping it."),
         click.option("--mlock", is_flag=True, help="Lock the model in RAM."),
         click.option("--flash-attn/--no-flash-attn", default=None, help="Flash attention (default: llama.cpp decides)."),
+        click.option("--kv-type", type=click.Choice(KV_TYPES), default=None,
+                     help="KV cache type (default: q8_0 on CPU, where a verify batch then gives plain decoding's "
+                          "logits bit for bit; f16, llama.cpp's default, with GPU layers or --no-flash-attn)."),
         click.option("-v", "--verbose", is_flag=True, help="Show llama.cpp's log lines."),
         click.option("--no-memory-check", is_flag=True, help="Load even when weights + KV exceed the free RAM."),
     ]):
@@ -55,15 +62,18 @@ def model_options(f):
     return f
 
 
-def decoder_options(n_ctx, n_batch, threads, threads_batch, n_gpu_layers, no_mmap, mlock, flash_attn, verbose,
-                    no_memory_check):
+def decoder_options(n_ctx, n_batch, threads, threads_batch, n_gpu_layers, no_mmap, mlock, flash_attn, kv_type,
+                    verbose, no_memory_check):
     from .decoder import DecoderOptions
 
-    return DecoderOptions(
-        n_ctx=n_ctx, n_batch=n_batch, n_threads=threads, n_threads_batch=threads_batch, n_gpu_layers=n_gpu_layers,
-        use_mmap=not no_mmap, use_mlock=mlock, flash_attn=flash_attn, verbose=verbose,
-        memory_check=not no_memory_check,
-    )
+    try:
+        return DecoderOptions(
+            n_ctx=n_ctx, n_batch=n_batch, n_threads=threads, n_threads_batch=threads_batch, n_gpu_layers=n_gpu_layers,
+            use_mmap=not no_mmap, use_mlock=mlock, flash_attn=flash_attn, kv_type=kv_type, verbose=verbose,
+            memory_check=not no_memory_check,
+        )
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
 
 
 @main.command()

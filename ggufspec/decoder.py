@@ -15,6 +15,7 @@ from typing import Protocol, Sequence
 
 import llama_cpp
 import numpy as np
+from gguf import GGMLQuantizationType
 
 from . import llama_log
 from .errors import ContextLengthError, GGUFSpecError, ModelFileError
@@ -55,6 +56,10 @@ class Decoder(Protocol):
         (nodes that would break the cache's position order are deferred: see n_deferred)."""
 
 
+# KV cache types llama.cpp accepts (its --cache-type-k/-v); all but f32, f16 and bf16 need flash attention.
+KV_TYPES = ("f16", "bf16", "f32", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl")
+
+
 @dataclass
 class DecoderOptions:
     """llama.cpp context settings. n_seq_max > 1 enables tree batches (kv_unified)."""
@@ -67,6 +72,7 @@ class DecoderOptions:
     use_mmap: bool = True
     use_mlock: bool = False
     flash_attn: bool | None = None
+    kv_type: str | None = None  # None: see `cache_type`
     embeddings: bool = False
     n_seq_max: int = 1
     verbose: bool = False
@@ -79,6 +85,19 @@ class DecoderOptions:
             raise ValueError(f"n_batch must be >= 1, got {self.n_batch}")
         if self.n_seq_max < 1:
             raise ValueError(f"n_seq_max must be >= 1, got {self.n_seq_max}")
+        if self.kv_type is not None and self.kv_type not in KV_TYPES:
+            raise ValueError(f"kv_type must be one of {', '.join(KV_TYPES)}, got {self.kv_type!r}")
+        if self.kv_type not in (None, "f16", "bf16", "f32") and self.flash_attn is False:
+            raise ValueError(f"a {self.kv_type} KV cache needs flash attention (llama.cpp quantizes V only there)")
+
+    @property
+    def cache_type(self) -> str:
+        """kv_type, or by default q8_0 on CPU with flash attention: there llama.cpp decodes a batch and single
+        tokens with the same attention kernel, bit for bit at any context length (its f16 cache switches
+        single tokens to a split kernel past 256 cached tokens), and faster at long contexts; else f16."""
+        if self.kv_type is not None:
+            return self.kv_type
+        return "q8_0" if self.n_gpu_layers == 0 and self.flash_attn is not False else "f16"
 
 
 _LOAD_MODES = {
@@ -103,7 +122,7 @@ class LlamaCppDecoder:
         self.path = Path(path).expanduser().resolve()
         self.header = read_header(self.path)
         if opts.memory_check and opts.n_gpu_layers == 0:
-            check_memory([(self.path, self.header)], opts.n_ctx)
+            check_memory([(self.path, self.header)], opts.n_ctx, opts.cache_type)
         llama_log.install(opts.verbose)
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = opts.n_gpu_layers
@@ -133,7 +152,14 @@ class LlamaCppDecoder:
                     llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if opts.flash_attn else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
                 )
             cparams.no_perf = True
+            self.kv_type = opts.cache_type
+            cparams.type_k = cparams.type_v = int(GGMLQuantizationType[self.kv_type.upper()])
             self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
+            if not self._ctx and opts.kv_type is None and self.kv_type != "f16":
+                # the default q8_0 needs flash attention, which llama.cpp's "auto" may have turned down
+                self.kv_type = "f16"
+                cparams.type_k = cparams.type_v = int(GGMLQuantizationType.F16)
+                self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
             if not self._ctx:
                 raise GGUFSpecError(
                     f"{self.path}: llama.cpp could not create a context with n_ctx={opts.n_ctx} "

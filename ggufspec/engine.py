@@ -107,7 +107,7 @@ class SpeculativeEngine:
         paths = [Path(p).expanduser() for p in (target_path, draft_path) if p is not None]
         headers = [read_header(p) for p in paths]
         if options.memory_check and options.n_gpu_layers == 0:
-            check_memory(list(zip(paths, headers)), options.n_ctx)
+            check_memory(list(zip(paths, headers)), options.n_ctx, options.cache_type)
         target_options = options
         if draft_path is not None:  # room for `auto`'s draft trees (a unified cache: same size, same speed here)
             target_options = replace(options, n_seq_max=max(options.n_seq_max, DRAFT_TREE_SEQUENCES))

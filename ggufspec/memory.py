@@ -5,14 +5,16 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
 from .errors import GGUFSpecError
 from .gguf_check import GGUFHeader
 
 GiB = 1 << 30
 
 
-def kv_bytes_per_token(header: GGUFHeader) -> int:
-    """f16 K and V for one token over all layers, from the GGUF's hyperparameters (0 if unknown)."""
+def kv_bytes_per_token(header: GGUFHeader, kv_type: str = "f16") -> int:
+    """K and V of one token over all layers, stored as `kv_type`, from the GGUF's hyperparameters (0 if unknown)."""
     meta = header.metadata
     arch = meta.get("general.architecture")
 
@@ -24,11 +26,17 @@ def kv_bytes_per_token(header: GGUFHeader) -> int:
     n_kv = hp("attention.head_count_kv") or n_head
     k_dim = hp("attention.key_length") or (n_embd // n_head if n_head else 0)
     v_dim = hp("attention.value_length") or k_dim
-    return n_layer * n_kv * (k_dim + v_dim) * 2
+    return int(n_layer * n_kv * (k_dim + v_dim) * bytes_per_value(kv_type))
 
 
-def needed_bytes(header: GGUFHeader, n_ctx: int) -> int:
-    return sum(t.n_bytes for t in header.tensors) + kv_bytes_per_token(header) * n_ctx
+def bytes_per_value(kv_type: str) -> float:
+    """Storage of one K or V value in a cache of this type (q8_0: 34 bytes a block of 32)."""
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kv_type.upper()]]
+    return size / block
+
+
+def needed_bytes(header: GGUFHeader, n_ctx: int, kv_type: str = "f16") -> int:
+    return sum(t.n_bytes for t in header.tensors) + kv_bytes_per_token(header, kv_type) * n_ctx
 
 
 def available_bytes() -> int | None:
@@ -45,12 +53,12 @@ def available_bytes() -> int | None:
         return None
 
 
-def check_memory(models: list[tuple[Path, GGUFHeader]], n_ctx: int) -> None:
+def check_memory(models: list[tuple[Path, GGUFHeader]], n_ctx: int, kv_type: str = "f16") -> None:
     """Refuse, with the numbers, when weights plus KV of all `models` exceed the available RAM."""
     have = available_bytes()
     if have is None:
         return
-    parts = [(p, needed_bytes(h, n_ctx), kv_bytes_per_token(h) * n_ctx) for p, h in models]
+    parts = [(p, needed_bytes(h, n_ctx, kv_type), kv_bytes_per_token(h, kv_type) * n_ctx) for p, h in models]
     need = sum(n for _, n, _ in parts)
     if need > have:
         detail = "; ".join(f"{p.name}: {n / GiB:.2f} GiB (KV {kv / GiB:.2f} GiB)" for p, n, kv in parts)

@@ -133,7 +133,8 @@ def test_generation_reaching_the_context_stops_with_length(tiny_target, tiny_dra
 
 @pytest.mark.parametrize("args", [
     ["--temp", "-1"], ["--top-p", "0"], ["--top-p", "1.5"], ["--min-p", "2"], ["--draft-max", "0"],
-    ["-c", "0"], ["-n", "0"], ["--top-k", "-3"], ["--method", "medusa"],
+    ["-c", "0"], ["-n", "0"], ["--top-k", "-3"], ["--method", "medusa"], ["--kv-type", "q9_0"],
+    ["--kv-type", "q8_0", "--no-flash-attn"],
 ])
 def test_invalid_values_are_usage_errors(tiny_target, args) -> None:
     r = run_cli("generate", "-m", str(tiny_target), *args, "hello")
@@ -152,7 +153,7 @@ def test_empty_prompt(tiny_target) -> None:
 
 
 def test_models_that_do_not_fit_in_ram_are_refused_with_numbers(smollm2_path, tiny_target) -> None:
-    huge = "50000000"  # SmolLM2's f16 KV cache for 50M tokens: about 1.1 TB
+    huge = "50000000"  # SmolLM2's q8_0 KV cache for 50M tokens: about 0.6 TB
     r = run_cli("generate", "-m", str(smollm2_path), "-d", str(tiny_target), "-c", huge, "hi")
     assert r.exit_code == 2 and "not enough memory" in r.output and "GiB" in r.output
     assert "SmolLM2-135M-Instruct.Q4_1.gguf" in r.output and "--no-memory-check" in r.output

@@ -55,6 +55,7 @@ def test_convert_inspect_quantize(cli: click.Group, hf_dir: Path, tmp_path: Path
     s = inspect_gguf(out)
     assert s.kv_bytes_per_token == 256
     assert s.ram_bytes(1000) == s.weight_bytes + 256_000
+    assert s.ram_bytes(1000, "q8_0") == s.weight_bytes + 136_000  # 34 bytes a block of 32 values
     assert "RAM at n_ctx=1000" in text
     assert "attn_q  " in text or "attn_q " in text
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from conftest import open_decoder
+from ggufspec.decoder import DecoderOptions
 from ggufspec.errors import GGUFSpecError
 
 # f32 tiny models: a k-token batch and k single decodes agreed to ~1e-5 on one machine here and
@@ -201,3 +202,30 @@ def test_context_overflow_is_an_error(tiny_target) -> None:
             d.feed([5])
         d.rollback_to(15)
         d.feed([5])
+
+
+@pytest.mark.parametrize("batch", [2, 4, 7])
+def test_default_cache_verifies_bit_for_bit_past_256_tokens(smollm2_path, batch) -> None:
+    """With the default q8_0 cache on CPU, batches of any size give the logits single-token decodes give,
+    also once the context holds more than 256 tokens (where llama.cpp's f16 cache changes kernels)."""
+    rng = np.random.default_rng(batch)
+    prefix = rng.integers(10, 40_000, size=300).tolist()
+    tokens = rng.integers(10, 40_000, size=14).tolist()
+    with open_decoder(smollm2_path) as d:
+        assert d.kv_type == "q8_0"
+        d.feed(prefix)
+        single = np.array([d.feed([t])[-1] for t in tokens])
+        d.rollback_to(len(prefix))
+        batched = np.concatenate([d.feed(tokens[i:i + batch]) for i in range(0, len(tokens), batch)])
+    np.testing.assert_array_equal(batched, single)
+
+
+def test_kv_type_is_checked_and_used(smollm2_path) -> None:
+    with pytest.raises(ValueError, match="kv_type must be one of"):
+        DecoderOptions(kv_type="q9_0")
+    with pytest.raises(ValueError, match="needs flash attention"):
+        DecoderOptions(kv_type="q8_0", flash_attn=False)
+    assert DecoderOptions(flash_attn=False).cache_type == "f16"
+    assert DecoderOptions(n_gpu_layers=-1).cache_type == "f16"
+    with open_decoder(smollm2_path, kv_type="f16") as d:
+        assert d.kv_type == "f16"

@@ -12,6 +12,7 @@ from gguf import GGUFReader, GGUFValueType
 
 from ggufspec.convert import medusa
 from ggufspec.errors import ModelFileError
+from ggufspec.memory import bytes_per_value
 
 
 @dataclass
@@ -33,10 +34,13 @@ class GGUFSummary:
     kv_bytes_per_token: int | None = None
     medusa: dict[str, Any] | None = None
 
-    def ram_bytes(self, n_ctx: int, kv_bytes_per_elem: int = 2) -> int:
-        """Weights plus a KV cache of n_ctx tokens (f16 cache unless told otherwise)."""
-        kv = (self.kv_bytes_per_token or 0) * n_ctx * kv_bytes_per_elem // 2
-        return self.weight_bytes + kv
+    def kv_bytes(self, n_ctx: int, kv_type: str = "f16") -> int:
+        """A KV cache of n_ctx tokens stored as kv_type."""
+        return int((self.kv_bytes_per_token or 0) * n_ctx * bytes_per_value(kv_type) / 2)
+
+    def ram_bytes(self, n_ctx: int, kv_type: str = "f16") -> int:
+        """Weights plus a KV cache of n_ctx tokens."""
+        return self.weight_bytes + self.kv_bytes(n_ctx, kv_type)
 
 
 def _field(r: GGUFReader, key: str, default: Any = None) -> Any:
@@ -160,8 +164,9 @@ def format_summary(s: GGUFSummary, n_ctx: int | None = None) -> str:
         lines.append(f"chat template: {'present' if s.chat_template else 'absent'}")
         if s.kv_bytes_per_token:
             ctx = n_ctx or min(int(s.context_length or 4096), 4096)
-            kv = s.kv_bytes_per_token * ctx
-            lines.append(f"RAM at n_ctx={ctx}: {_size(s.ram_bytes(ctx))} (weights {_size(s.weight_bytes)} + f16 KV cache {_size(kv)})")
+            lines.append(f"RAM at n_ctx={ctx}: {_size(s.ram_bytes(ctx, 'q8_0'))} (weights {_size(s.weight_bytes)} + "
+                         f"q8_0 KV cache {_size(s.kv_bytes(ctx, 'q8_0'))}, ggufspec's CPU default; "
+                         f"f16 as in llama.cpp: {_size(s.kv_bytes(ctx))})")
     lines.append("tensor groups:")
     width = max((len(g) for g in s.tensor_groups), default=0)
     for g, types in s.tensor_groups.items():
