@@ -27,7 +27,6 @@ from ggufspec.sampling import SamplingParams, pick
 
 H = TINY.n_embd
 V = 49152
-ATOL_AFTER_TREES = 1.5  # quantized SmolLM2 after tree commits vs single decodes (0.71 measured)
 
 
 def _random_blocks(rng: np.random.Generator, heads: int, layers: int, hidden: int, scale: float):
@@ -156,12 +155,10 @@ def test_kv_after_accepted_paths_equals_linear_decoding(smollm2_path, demo_heads
     with open_decoder(smollm2_path, embeddings=True) as fresh:
         want = np.stack([fresh.feed([t])[-1] for t in prompt + committed])[-1]
         want_hidden = fresh.hidden_states()[-1]
-    # Quantized model: KV entries written by 64-node tree batches (other kernels than single decodes)
-    # move these logits by up to 0.71 after 30 tokens (measured); the greedy test above shows the
-    # text does not change. Same top token and logits within ATOL_AFTER_TREES.
-    assert int(got.argmax()) == int(want.argmax())
-    np.testing.assert_allclose(got, want, atol=ATOL_AFTER_TREES, rtol=0)
-    assert np.corrcoef(got_hidden, want_hidden)[0, 1] > 0.999
+    # bit for bit with the default q8_0 cache (an f16 one moved these logits by up to 0.71: the 64-node
+    # batches take another attention kernel than single tokens there)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got_hidden, want_hidden)
 
 
 def test_medusa_tree_rooted_at_last_equals_linear_paths(tiny_target) -> None:
