@@ -256,12 +256,13 @@ def bench(target, draft, prompt_file, limit, per_category, methods, temps, max_t
         total = len(prompts) * len(cfg.methods) * cfg.repeats * len(cfg.temperatures)
         with click.progressbar(length=total, label="benchmarking", file=sys.stderr) as bar:
             runs = run_bench(engine, prompts, cfg, bar.update)
+        kv_type = engine.target.kv_type  # the default depends on the device and on flash attention
     rows = summarize(runs)
     click.echo(format_table(rows))
     if output:
         meta = {"target": str(target), "draft": str(draft) if draft else None, "medusa": medusa_path,
                 "prompts": str(prompt_file),
-                "threads": model_opts.get("threads")}
+                "threads": model_opts.get("threads"), "kv_type": kv_type}
         Path(output).write_text(to_json(cfg, runs, rows, meta))
         click.echo(f"wrote {output}", err=True)
     if plot_prefix:
