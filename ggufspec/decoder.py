@@ -156,14 +156,18 @@ class LlamaCppDecoder:
             cparams.type_k = cparams.type_v = int(GGMLQuantizationType[self.kv_type.upper()])
             self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
             if not self._ctx and opts.kv_type is None and self.kv_type != "f16":
-                # the default q8_0 needs flash attention, which llama.cpp's "auto" may have turned down
+                # the default q8_0 needs flash attention, which llama.cpp's "auto" may have turned down, and
+                # head sizes that are multiples of its 32-value blocks
                 self.kv_type = "f16"
                 cparams.type_k = cparams.type_v = int(GGMLQuantizationType.F16)
                 self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
             if not self._ctx:
+                why = ("not enough memory? try a smaller --n-ctx" if self.kv_type in ("f16", "bf16", "f32") else
+                       f"a {self.kv_type} KV cache needs flash attention and head sizes its blocks divide: "
+                       "try --kv-type f16; or not enough memory")
                 raise GGUFSpecError(
                     f"{self.path}: llama.cpp could not create a context with n_ctx={opts.n_ctx} "
-                    "(not enough memory? try a smaller --n-ctx; --verbose shows llama.cpp's reason)."
+                    f"({why}; --verbose shows llama.cpp's reason)."
                 )
             # llama.cpp may round the context up; the limit the user asked for is the one we keep.
             self.n_ctx: int = min(opts.n_ctx, llama_cpp.llama_n_ctx(self._ctx))

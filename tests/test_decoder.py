@@ -229,3 +229,12 @@ def test_kv_type_is_checked_and_used(smollm2_path) -> None:
     assert DecoderOptions(n_gpu_layers=-1).cache_type == "f16"
     with open_decoder(smollm2_path, kv_type="f16") as d:
         assert d.kv_type == "f16"
+
+
+def test_default_cache_falls_back_to_f16_where_q8_0_cannot_hold_the_heads(tiny_target) -> None:
+    """The tiny model's heads have 16 values, q8_0 blocks 32: the default falls back, an explicit q8_0 fails clearly."""
+    with open_decoder(tiny_target) as d:
+        assert d.kv_type == "f16"
+        assert d.feed([1, 2, 3]).shape[0] == 3
+    with pytest.raises(GGUFSpecError, match="--kv-type f16"):
+        open_decoder(tiny_target, kv_type="q8_0")
