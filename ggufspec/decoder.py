@@ -56,8 +56,9 @@ class Decoder(Protocol):
         (nodes that would break the cache's position order are deferred: see n_deferred)."""
 
 
-# KV cache types llama.cpp accepts (its --cache-type-k/-v); all but f32, f16 and bf16 need flash attention.
-KV_TYPES = ("f16", "bf16", "f32", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl")
+# KV cache types llama.cpp accepts (its --cache-type-k/-v); all but the unquantized need flash attention.
+UNQUANTIZED_KV = ("f16", "bf16", "f32")
+KV_TYPES = (*UNQUANTIZED_KV, "q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl")
 
 
 @dataclass
@@ -87,7 +88,7 @@ class DecoderOptions:
             raise ValueError(f"n_seq_max must be >= 1, got {self.n_seq_max}")
         if self.kv_type is not None and self.kv_type not in KV_TYPES:
             raise ValueError(f"kv_type must be one of {', '.join(KV_TYPES)}, got {self.kv_type!r}")
-        if self.kv_type not in (None, "f16", "bf16", "f32") and self.flash_attn is False:
+        if self.kv_type not in (None, *UNQUANTIZED_KV) and self.flash_attn is False:
             raise ValueError(f"a {self.kv_type} KV cache needs flash attention (llama.cpp quantizes V only there)")
 
     @property
@@ -162,7 +163,7 @@ class LlamaCppDecoder:
                 cparams.type_k = cparams.type_v = int(GGMLQuantizationType.F16)
                 self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
             if not self._ctx:
-                why = ("not enough memory? try a smaller --n-ctx" if self.kv_type in ("f16", "bf16", "f32") else
+                why = ("not enough memory? try a smaller --n-ctx" if self.kv_type in UNQUANTIZED_KV else
                        f"a {self.kv_type} KV cache needs flash attention and head sizes its blocks divide: "
                        "try --kv-type f16; or not enough memory")
                 raise GGUFSpecError(

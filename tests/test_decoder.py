@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from conftest import open_decoder
-from ggufspec.decoder import DecoderOptions
+from ggufspec import cli
+from ggufspec.decoder import KV_TYPES, DecoderOptions
 from ggufspec.errors import GGUFSpecError
 
 # f32 tiny models: a k-token batch and k single decodes agreed to ~1e-5 on one machine here and
@@ -225,6 +226,7 @@ def test_kv_type_is_checked_and_used(smollm2_path) -> None:
         DecoderOptions(kv_type="q9_0")
     with pytest.raises(ValueError, match="needs flash attention"):
         DecoderOptions(kv_type="q8_0", flash_attn=False)
+    assert cli.KV_TYPES == KV_TYPES  # spelled twice so that `--help` need not import llama.cpp
     assert DecoderOptions(flash_attn=False).cache_type == "f16"
     assert DecoderOptions(n_gpu_layers=-1).cache_type == "f16"
     with open_decoder(smollm2_path, kv_type="f16") as d:
