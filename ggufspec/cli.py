@@ -46,6 +46,9 @@ def model_options(f):
     for opt in reversed([
         click.option("-c", "--n-ctx", type=click.IntRange(min=1), default=4096, show_default=True, help="Context size in tokens."),
         click.option("--n-batch", type=click.IntRange(min=1), default=512, show_default=True, help="Prefill chunk size."),
+        click.option("--n-ubatch", type=click.IntRange(min=1), default=None,
+                     help="Most tokens llama.cpp computes at once (default: 64 on CPU, where more costs memory and "
+                          "gains no speed; --n-batch with GPU layers)."),
         click.option("-t", "--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: all cores)."),
         click.option("--threads-batch", type=click.IntRange(min=1), default=None, help="CPU threads for batches."),
         click.option("-ngl", "--n-gpu-layers", type=int, default=0, show_default=True, help="Layers to offload to Metal/CUDA (-1: all)."),
@@ -62,15 +65,15 @@ def model_options(f):
     return f
 
 
-def decoder_options(n_ctx, n_batch, threads, threads_batch, n_gpu_layers, no_mmap, mlock, flash_attn, kv_type,
+def decoder_options(n_ctx, n_batch, n_ubatch, threads, threads_batch, n_gpu_layers, no_mmap, mlock, flash_attn, kv_type,
                     verbose, no_memory_check):
     from .decoder import DecoderOptions
 
     try:
         return DecoderOptions(
-            n_ctx=n_ctx, n_batch=n_batch, n_threads=threads, n_threads_batch=threads_batch, n_gpu_layers=n_gpu_layers,
-            use_mmap=not no_mmap, use_mlock=mlock, flash_attn=flash_attn, kv_type=kv_type, verbose=verbose,
-            memory_check=not no_memory_check,
+            n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=threads, n_threads_batch=threads_batch,
+            n_gpu_layers=n_gpu_layers, use_mmap=not no_mmap, use_mlock=mlock, flash_attn=flash_attn, kv_type=kv_type,
+            verbose=verbose, memory_check=not no_memory_check,
         )
     except ValueError as e:
         raise click.UsageError(str(e)) from None

@@ -59,6 +59,9 @@ class Decoder(Protocol):
 # KV cache types llama.cpp accepts (its --cache-type-k/-v); all but the unquantized need flash attention.
 UNQUANTIZED_KV = ("f16", "bf16", "f32")
 KV_TYPES = (*UNQUANTIZED_KV, "q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl")
+# On CPU a prefill runs about as fast in 64-token micro-batches as in 512-token ones (bench target: 42-45
+# tok/s on 739 tokens, 52-53 on 313), and their activations cut peak RSS by 56 MB on the 739-token prompt.
+CPU_UBATCH = 64
 
 
 @dataclass
@@ -67,6 +70,7 @@ class DecoderOptions:
 
     n_ctx: int = 4096
     n_batch: int = 512
+    n_ubatch: int | None = None  # None: see `micro_batch`
     n_threads: int | None = None
     n_threads_batch: int | None = None
     n_gpu_layers: int = 0
@@ -84,12 +88,22 @@ class DecoderOptions:
             raise ValueError(f"n_ctx must be >= 1, got {self.n_ctx}")
         if self.n_batch < 1:
             raise ValueError(f"n_batch must be >= 1, got {self.n_batch}")
+        if self.n_ubatch is not None and not 1 <= self.n_ubatch <= self.n_batch:
+            raise ValueError(f"n_ubatch must be between 1 and n_batch ({self.n_batch}), got {self.n_ubatch}")
         if self.n_seq_max < 1:
             raise ValueError(f"n_seq_max must be >= 1, got {self.n_seq_max}")
         if self.kv_type is not None and self.kv_type not in KV_TYPES:
             raise ValueError(f"kv_type must be one of {', '.join(KV_TYPES)}, got {self.kv_type!r}")
         if self.kv_type not in (None, *UNQUANTIZED_KV) and self.flash_attn is False:
             raise ValueError(f"a {self.kv_type} KV cache needs flash attention (llama.cpp quantizes V only there)")
+
+    @property
+    def micro_batch(self) -> int:
+        """n_ubatch (the most tokens llama.cpp computes at once), or by default n_batch, capped at CPU_UBATCH on
+        CPU, where larger micro-batches cost memory and gain no speed."""
+        if self.n_ubatch is not None:
+            return self.n_ubatch
+        return self.n_batch if self.n_gpu_layers else min(self.n_batch, CPU_UBATCH)
 
     @property
     def cache_type(self) -> str:
@@ -140,7 +154,8 @@ class LlamaCppDecoder:
             self.n_ctx_train: int = llama_cpp.llama_model_n_ctx_train(self._model)
             cparams = llama_cpp.llama_context_default_params()
             cparams.n_ctx = opts.n_ctx
-            cparams.n_batch = cparams.n_ubatch = opts.n_batch
+            cparams.n_batch = opts.n_batch
+            cparams.n_ubatch = opts.micro_batch
             cparams.n_seq_max = opts.n_seq_max
             cparams.n_threads = opts.n_threads or default_threads()
             cparams.n_threads_batch = opts.n_threads_batch or cparams.n_threads
@@ -172,6 +187,7 @@ class LlamaCppDecoder:
                 )
             # llama.cpp may round the context up; the limit the user asked for is the one we keep.
             self.n_ctx: int = min(opts.n_ctx, llama_cpp.llama_n_ctx(self._ctx))
+            self.n_ubatch: int = llama_cpp.llama_n_ubatch(self._ctx)
             self._mem = llama_cpp.llama_get_memory(self._ctx)
             self._batch = Batch(max(opts.n_batch, 1), opts.n_seq_max)
         except BaseException:

@@ -36,9 +36,9 @@ class CandidateVocabError(GGUFSpecError):
 
 
 def medusa_decoder_options(options: DecoderOptions) -> DecoderOptions:
-    """Target context settings for Medusa: hidden states on, room for a tree's sequences in one batch."""
+    """Target context settings for Medusa: hidden states on, room for a tree's sequences in one micro-batch."""
     return replace(options, embeddings=True, n_seq_max=max(options.n_seq_max, TREE_SEQUENCES),
-                   n_batch=max(options.n_batch, TREE_SEQUENCES))
+                   n_batch=max(options.n_batch, TREE_SEQUENCES), n_ubatch=max(options.micro_batch, TREE_SEQUENCES))
 
 
 def target_lm_head(target_path: str | Path) -> np.ndarray:

@@ -221,6 +221,19 @@ def test_default_cache_verifies_bit_for_bit_past_256_tokens(smollm2_path, batch)
     np.testing.assert_array_equal(batched, single)
 
 
+def test_cpu_micro_batches_of_64_change_no_logit(smollm2_path) -> None:
+    """The default 64-token micro-batch (less activation memory) prefills to the logits one 512-token step gives."""
+    tokens = np.random.default_rng(3).integers(10, 40_000, size=300).tolist()
+    with open_decoder(smollm2_path) as small, open_decoder(smollm2_path, n_ubatch=512) as big:
+        assert (small.n_ubatch, big.n_ubatch) == (64, 512)
+        np.testing.assert_array_equal(small.feed(tokens, all_logits=False)[-1], big.feed(tokens, all_logits=False)[-1])
+        assert small.n_decodes == big.n_decodes == 1, "n_batch still sets the chunks we hand llama.cpp"
+    assert DecoderOptions(n_gpu_layers=-1).micro_batch == 512
+    assert DecoderOptions(n_batch=32).micro_batch == 32
+    with pytest.raises(ValueError, match="n_ubatch must be between 1 and n_batch"):
+        DecoderOptions(n_batch=128, n_ubatch=256)
+
+
 def test_kv_type_is_checked_and_used(smollm2_path) -> None:
     with pytest.raises(ValueError, match="kv_type must be one of"):
         DecoderOptions(kv_type="q9_0")

@@ -140,6 +140,8 @@ def test_typical_acceptance_runs_within_the_limit(tiny_target, trained_heads) ->
 def test_kv_after_accepted_paths_equals_linear_decoding(smollm2_path, demo_heads) -> None:
     tree = load_tree("mc_sim_7b_63")
     with open_decoder(smollm2_path, **_medusa_kw()) as d:
+        assert d.n_ubatch >= tree.size, "one llama.cpp step per tree"
+        assert medusa_decoder_options(DecoderOptions(n_ubatch=16)).micro_batch >= tree.size
         heads = Heads.load(demo_heads, smollm2_path, d.n_embd, d.n_vocab)
         prompt = d.vocab.tokenize(PROMPTS[5])
         d.feed(prompt[:-1])
@@ -181,7 +183,7 @@ def test_medusa_tree_rooted_at_last_equals_linear_paths(tiny_target) -> None:
 
 def _medusa_kw() -> dict:
     o = medusa_decoder_options(DecoderOptions())
-    return dict(embeddings=o.embeddings, n_seq_max=o.n_seq_max, n_batch=o.n_batch)
+    return dict(embeddings=o.embeddings, n_seq_max=o.n_seq_max, n_batch=o.n_batch, n_ubatch=o.n_ubatch)
 
 
 # --- heads --------------------------------------------------------------------------------
