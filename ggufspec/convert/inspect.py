@@ -12,7 +12,8 @@ from gguf import GGUFReader, GGUFValueType
 
 from ggufspec.convert import medusa
 from ggufspec.errors import ModelFileError
-from ggufspec.memory import bytes_per_value
+from ggufspec.gguf_check import read_header
+from ggufspec.memory import bytes_per_value, kv_bytes_per_token
 
 
 @dataclass
@@ -112,9 +113,7 @@ def inspect_gguf(path: Path) -> GGUFSummary:
         "rope scaling": hp("rope.scaling.type") or ("llama3 (rope_freqs)" if any(t.name == "rope_freqs.weight" for t in r.tensors) else None),
     }
     s.context_length = hp("context_length")
-    if n_layer and n_kv and head_dim:
-        v_dim = hp("attention.value_length") or head_dim
-        s.kv_bytes_per_token = int(n_layer) * int(n_kv) * (int(head_dim) + int(v_dim)) * 2  # f16 K and V
+    s.kv_bytes_per_token = kv_bytes_per_token(read_header(path)) or None  # f16 K and V, as the memory check counts
     n_tokens = _array_len(r, "tokenizer.ggml.tokens")
     if n_tokens:
         tok = r.get_field("tokenizer.ggml.tokens")
