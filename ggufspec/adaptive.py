@@ -131,10 +131,14 @@ def measure(target: Decoder, draft: Decoder | None, k_max: int, repeats: int = 5
 MAX_SPREAD = 1.5  # a measurement noisier than this is used for this run but not cached
 
 
+def costs_path() -> Path:
+    return Path(os.environ.get("GGUFSPEC_CACHE", Path.home() / ".cache" / "ggufspec")) / "costs.json"
+
+
 def cached_measure(target: LlamaCppDecoder, draft: LlamaCppDecoder | None, k_max: int) -> CostModel:
     """measure(), remembered per model files, thread settings, CPU and llama.cpp build in
     ~/.cache/ggufspec/costs.json (a home shared by different machines must not share their costs)."""
-    path = Path(os.environ.get("GGUFSPEC_CACHE", Path.home() / ".cache" / "ggufspec")) / "costs.json"
+    path = costs_path()
     key = json.dumps([_identity(target), _identity(draft) if draft else None, k_max, machine()])
     try:
         table = json.loads(path.read_text())
@@ -176,7 +180,7 @@ def _identity(d: LlamaCppDecoder) -> list[object]:
     st = d.path.stat()
     o = d.options
     return [str(d.path), st.st_size, int(st.st_mtime), o.n_threads, o.n_threads_batch, o.n_gpu_layers, o.flash_attn,
-            d.kv_type]
+            d.kv_type, sorted(d.weight_buffers)]  # where the weights went: repacked or not costs batches differently
 
 
 class FixedLength:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,7 @@ import llama_cpp
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from . import llama_log
+from . import cpu_backend, llama_log
 from .errors import ContextLengthError, GGUFSpecError, ModelFileError
 from .gguf_check import read_header
 from .llama_batch import Batch
@@ -76,6 +77,7 @@ class DecoderOptions:
     n_gpu_layers: int = 0
     use_mmap: bool = True
     use_mlock: bool = False
+    repack: bool = True  # llama.cpp's extra CPU weight layouts (its --no-repack turns them off)
     flash_attn: bool | None = None
     kv_type: str | None = None  # None: see `cache_type`
     embeddings: bool = False
@@ -139,10 +141,18 @@ class LlamaCppDecoder:
         if opts.memory_check and opts.n_gpu_layers == 0:
             check_memory([(self.path, self.header)], opts.n_ctx, opts.cache_type)
         llama_log.install(opts.verbose)
+        self.cpu_backend = cpu_backend.prepare()
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = opts.n_gpu_layers
         mparams.load_mode = _LOAD_MODES[opts.use_mmap, opts.use_mlock]
-        self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), mparams)
+        mparams.use_extra_bufts = opts.repack
+        log: list[str] = []
+        with llama_log.capture(log.append):
+            self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), mparams)
+        # e.g. "load_tensors:   CPU_REPACK model buffer size =    95.34 MiB"
+        self.weight_buffers: dict[str, float] = {
+            m[1]: float(m[2]) for m in re.finditer(r"(\S+) model buffer size =\s*([\d.]+) MiB", "".join(log))
+        }
         if not self._model:
             raise ModelFileError(f"{self.path}: llama.cpp could not load this model (run with --verbose to see why).")
         self._ctx = None

@@ -8,12 +8,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ggufspec import cpu_backend
 from ggufspec.decoder import DecoderOptions, LlamaCppDecoder
 from tiny_models import TinyConfig, random_weights, read_tokenizer, write_tiny_gguf
 
 # One llama.cpp thread per context: tiny models gain nothing from two, and a second thread
 # waiting at llama.cpp's barriers makes tests crawl whenever another process holds a core.
 os.environ.setdefault("GGUFSPEC_THREADS", "1")
+# Tests that open models with llama_cpp.Llama directly get the same safe CPU kernels as ggufspec's decoders
+# (on Xeons with AMX, llama.cpp's AMX kernels crash this build: see cpu_backend).
+CPU_BACKEND = cpu_backend.prepare()
 
 REPO = Path(__file__).resolve().parents[1]
 SMOLLM2 = Path(os.environ.get("GGUFSPEC_TEST_MODEL", REPO / ".cache" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"))
