@@ -54,6 +54,8 @@ def model_options(f):
         click.option("-ngl", "--n-gpu-layers", type=int, default=0, show_default=True, help="Layers to offload to Metal/CUDA (-1: all)."),
         click.option("--no-mmap", is_flag=True, help="Read the model into memory instead of mapping it."),
         click.option("--mlock", is_flag=True, help="Lock the model in RAM."),
+        click.option("--no-repack", is_flag=True,
+                     help="Keep weights in llama.cpp's plain CPU layout (slower verify batches; for comparisons)."),
         click.option("--flash-attn/--no-flash-attn", default=None, help="Flash attention (default: llama.cpp decides)."),
         click.option("--kv-type", type=click.Choice(KV_TYPES), default=None,
                      help="KV cache type (default: q8_0 on CPU, where a verify batch then gives plain decoding's "
@@ -65,15 +67,15 @@ def model_options(f):
     return f
 
 
-def decoder_options(n_ctx, n_batch, n_ubatch, threads, threads_batch, n_gpu_layers, no_mmap, mlock, flash_attn, kv_type,
-                    verbose, no_memory_check):
+def decoder_options(n_ctx, n_batch, n_ubatch, threads, threads_batch, n_gpu_layers, no_mmap, mlock, no_repack, flash_attn,
+                    kv_type, verbose, no_memory_check):
     from .decoder import DecoderOptions
 
     try:
         return DecoderOptions(
             n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=threads, n_threads_batch=threads_batch,
-            n_gpu_layers=n_gpu_layers, use_mmap=not no_mmap, use_mlock=mlock, flash_attn=flash_attn, kv_type=kv_type,
-            verbose=verbose, memory_check=not no_memory_check,
+            n_gpu_layers=n_gpu_layers, use_mmap=not no_mmap, use_mlock=mlock, repack=not no_repack, flash_attn=flash_attn,
+            kv_type=kv_type, verbose=verbose, memory_check=not no_memory_check,
         )
     except ValueError as e:
         raise click.UsageError(str(e)) from None
@@ -325,6 +327,18 @@ def models_cmd() -> None:
     for r in [head, *rows]:
         click.echo("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4])
     click.echo("\nggufspec pull NAME fetches a preset; ggufspec generate --preset NAME \"...\" runs it.")
+
+
+@main.command()
+@click.option("-m", "--model", "target", type=click.Path(dir_okay=False), default=None, help="A model to load and describe.")
+@click.option("-d", "--draft", type=click.Path(dir_okay=False), default=None, help="A draft model to describe too.")
+@model_options
+def doctor(target, draft, **model_opts) -> None:
+    """Print versions, CPU features, the CPU kernels in use (and any avoided), where models' weights go: paste it
+    into bug reports."""
+    from .doctor import report
+
+    click.echo(report(target, draft, decoder_options(**model_opts)))
 
 
 def _register_converters() -> None:

@@ -1,0 +1,72 @@
+"""`ggufspec doctor`: what a bug report needs about this install, this CPU and these models."""
+
+from __future__ import annotations
+
+import json
+import platform
+from importlib import metadata
+from pathlib import Path
+
+import llama_cpp
+from gguf import GGMLQuantizationType
+
+from . import cpu_backend
+from .adaptive import costs_path, machine
+from .decoder import DecoderOptions, LlamaCppDecoder
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def environment() -> list[str]:
+    """Versions, CPU, llama.cpp's features and the CPU weight layouts in use."""
+    backend = cpu_backend.prepare()
+    cpu = machine().split(" | ")
+    lines = [
+        f"ggufspec {_version('ggufspec')}, Python {platform.python_version()}, {platform.system()} {platform.machine()}",
+        f"llama-cpp-python {llama_cpp.__version__}, gguf {_version('gguf')}, numpy {_version('numpy')}",
+        f"CPU: {cpu[2] if len(cpu) > 2 and cpu[2] else platform.processor() or 'unknown'}",
+        f"llama.cpp system info: {llama_cpp.llama_print_system_info().decode(errors='replace').strip()}",
+        f"GPU offload: {'available' if llama_cpp.llama_supports_gpu_offload() else 'not in this build (CPU only)'}",
+        f"CPU weight layouts offered: {', '.join(backend.offered) or 'none'}; in use: {', '.join(backend.in_use) or 'plain only'}",
+    ]
+    for name, why in backend.dropped.items():
+        lines.append(f"  turned off: {name}: {why}. Avoided by removing it from the CPU device's layouts before "
+                     f"loading; {cpu_backend.ALLOW_ENV.format(name)}=1 keeps it.")
+    for name in backend.kept_broken:
+        lines.append(f"  WARNING: {name} is known to crash this build and was kept ({cpu_backend.ALLOW_ENV.format(name)}=1).")
+    path = costs_path()
+    try:
+        entries = f"{len(json.loads(path.read_text()))} measured setups"
+    except (OSError, ValueError):
+        entries = "not written yet"
+    lines.append(f"cost model cache: {path} ({entries})")
+    return lines
+
+
+def model_lines(role: str, path: str | Path, options: DecoderOptions) -> list[str]:
+    """Where one model's weights live and what its KV cache holds, from a real load."""
+    with LlamaCppDecoder(path, options) as d:
+        buffers = ", ".join(f"{name} {mib:.1f} MiB" for name, mib in d.weight_buffers.items()) or "unknown"
+        types = sorted({t.type for t in d.header.tensors})
+        return [
+            f"{role}: {d.path} ({d.path.stat().st_size / 1e6:.1f} MB; tensor types "
+            f"{', '.join(GGMLQuantizationType(t).name for t in types)})",
+            f"  weights: {buffers}",
+            f"  KV cache: {d.kv_type}, {d.n_ctx} tokens; micro-batch {d.n_ubatch}; threads "
+            f"{options.n_threads or 'all'}; GPU layers {options.n_gpu_layers}",
+        ]
+
+
+def report(target: str | None, draft: str | None, options: DecoderOptions) -> str:
+    lines = environment()
+    for role, path in (("target", target), ("draft", draft)):
+        if path is not None:
+            lines += model_lines(role, path, options)
+    if target is None:
+        lines.append("(give -m MODEL.gguf [-d DRAFT.gguf] to see where their weights go)")
+    return "\n".join(lines)
