@@ -23,6 +23,12 @@ MAX_DIMS = 4
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
 
+# Hyperparameters llama.cpp asserts on (aborting the process) when out of range: "{arch}.KEY" -> (min, max).
+_HPARAM_LIMITS = {
+    "block_count": (1, 512),  # LLAMA_MAX_LAYERS
+    "expert_count": (0, 1024),  # LLAMA_MAX_EXPERTS
+}
+
 
 @dataclass(frozen=True)
 class TensorInfo:
@@ -62,7 +68,8 @@ class _Cursor:
     def string(self) -> bytes:
         return self.take(self.scalar("Q"))
 
-    def value(self, vtype: int, depth: int = 0):
+    def value(self, vtype: int, depth: int = 0, unique: bool = False):
+        """One value; `unique`: an array of strings must not repeat one (llama.cpp aborts on a duplicate token)."""
         if vtype in _SCALARS:
             return self.scalar(_SCALARS[vtype])
         if vtype == _STRING:
@@ -72,8 +79,14 @@ class _Cursor:
             if item in _SCALARS:
                 self.take(count * struct.calcsize(_SCALARS[item]))
             elif item == _STRING:
+                seen: set[bytes] = set()
                 for _ in range(count):
-                    self.take(self.scalar("Q"))
+                    s = self.take(self.scalar("Q"))
+                    if unique:
+                        if s in seen:
+                            raise ModelFileError(f"{self.path}: damaged vocabulary: token {s[:40]!r} is listed twice. "
+                                                 "Download or convert the model again.")
+                        seen.add(s)
             else:
                 for _ in range(count):
                     self.value(item, depth + 1)
@@ -118,7 +131,7 @@ def read_header(path: str | os.PathLike) -> GGUFHeader:
             metadata: dict[str, object] = {}
             for _ in range(n_kv):
                 key = c.string().decode("utf-8", errors="replace")
-                metadata[key] = c.value(c.scalar("I"))
+                metadata[key] = c.value(c.scalar("I"), unique=key == "tokenizer.ggml.tokens")
             infos = []
             for _ in range(n_tensors):
                 name = c.string().decode("utf-8", errors="replace")
@@ -137,6 +150,11 @@ def read_header(path: str | os.PathLike) -> GGUFHeader:
                 if n == 0 or shape[0] % block:
                     raise ModelFileError(f"{p}: tensor {name!r} has an invalid shape {shape} for its type.")
                 infos.append(TensorInfo(name, shape, ttype, offset, n // block * type_size))
+            arch = metadata.get("general.architecture")
+            for key, (lo, hi) in _HPARAM_LIMITS.items():
+                value = metadata.get(f"{arch}.{key}")
+                if isinstance(value, int) and not lo <= value <= hi:
+                    raise ModelFileError(f"{p}: damaged metadata: {arch}.{key} is {value}, outside {lo}..{hi}.")
             align = metadata.get("general.alignment", 32)
             if not isinstance(align, int) or align <= 0 or align & (align - 1):
                 raise ModelFileError(f"{p}: invalid general.alignment {align!r}.")

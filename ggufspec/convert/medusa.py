@@ -37,6 +37,7 @@ from gguf import quants
 from ggufspec.convert.checkpoint import TensorRef, open_tensor_file
 from ggufspec.convert.writing import OUT_TYPES, PlannedTensor, storage_type, write_gguf
 from ggufspec.errors import ConversionError, ModelFileError
+from ggufspec.gguf_check import read_header
 from ggufspec.medusa_trees import TreeError, build_tree
 
 ARCH = "medusa"
@@ -234,12 +235,18 @@ class MedusaHeads:
 
 
 def load_medusa_gguf(path: Path) -> MedusaHeads:
-    """Read a Medusa GGUF written by convert_medusa (any of its storage types) into float32 arrays."""
+    """Read a Medusa GGUF written by convert_medusa (any of its storage types) into float32 arrays;
+    ModelFileError for anything damaged."""
     path = Path(path)
+    read_header(path)  # bounds-checked first: gguf-py's reader indexes past the end of damaged tables
     try:
-        r = GGUFReader(path)
-    except (OSError, ValueError) as e:
-        raise ModelFileError(f"{path}: cannot read as GGUF ({e})") from e
+        return _read_medusa(path)
+    except (OSError, ValueError, TypeError, IndexError, KeyError, OverflowError) as e:
+        raise ModelFileError(f"{path}: damaged Medusa GGUF ({type(e).__name__}: {e})") from None
+
+
+def _read_medusa(path: Path) -> MedusaHeads:
+    r = GGUFReader(path)
 
     def get(key: str, default=None):
         f = r.get_field(key)
@@ -266,5 +273,12 @@ def load_medusa_gguf(path: Path) -> MedusaHeads:
             build_tree(choices)
         except (TreeError, TypeError, ValueError) as e:
             raise ModelFileError(f"{path}: its {KEY_TREE} is not a candidate tree ({e})") from None
-    return MedusaHeads(version, int(get(KEY_HIDDEN_SIZE)), int(get(KEY_VOCAB_SIZE)), str(get(KEY_BASE_MODEL, "")), res, lm,
-                       choices)
+    hidden = int(get(KEY_HIDDEN_SIZE))
+    for i, head in enumerate(res):
+        for j, (w, b) in enumerate(head):
+            if w.shape != (hidden, hidden) or b.shape != (hidden,):
+                raise ModelFileError(f"{path}: head {i} layer {j} has shapes {list(w.shape)} and {list(b.shape)}, "
+                                     f"not [{hidden}, {hidden}] and [{hidden}]")
+    if lm is not None and len({m.shape for m in lm}) > 1 or lm and lm[0].shape[1:] != (hidden,):
+        raise ModelFileError(f"{path}: its output heads differ in shape: {[list(m.shape) for m in lm]}")
+    return MedusaHeads(version, hidden, int(get(KEY_VOCAB_SIZE)), str(get(KEY_BASE_MODEL, "")), res, lm, choices)
