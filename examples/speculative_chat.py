@@ -9,7 +9,7 @@ from ggufspec import GenerationSettings, SpeculativeEngine
 
 target, draft, question = sys.argv[1], sys.argv[2], sys.argv[3]
 with SpeculativeEngine.load(target, draft) as engine:
-    for piece in engine.stream([{"role": "user", "content": question}], GenerationSettings(max_tokens=200)):
-        print(piece, end="", flush=True)
+    for r in engine.stream([{"role": "user", "content": question}], GenerationSettings(max_tokens=200)):
+        print(r.text, end="", flush=True)
     print()
-    print(engine.last_result.stats.line(), file=sys.stderr)
+    print(r.result.stats.line(), file=sys.stderr)

@@ -212,6 +212,7 @@ class LlamaCppDecoder:
         self._n_out = 0
         self._skip = 0  # leading rows of the last decode that were deferred tokens, not asked for
         self._deferred: list[int] = []
+        self._unrecorded = False  # a decode's cells may be in the KV cache without being in the history
         self._tree: _Tree | None = None
         self._tree_pre: list[int] = []  # deferred tokens decoded in front of the pending tree
 
@@ -270,6 +271,7 @@ class LlamaCppDecoder:
         ctx = self._require_ctx()
         self._batch.fill(tokens, len(self.history), all_logits)
         t0 = time.perf_counter()
+        self._unrecorded = True
         rc = llama_cpp.llama_decode(ctx, self._batch.struct)
         self.decode_seconds += time.perf_counter() - t0
         self.n_decodes += 1
@@ -278,6 +280,7 @@ class LlamaCppDecoder:
             # llama.cpp leaves no partial batch in the KV on failure; the history stays as it was.
             raise GGUFSpecError(f"llama_decode failed with code {rc} at position {len(self.history)}")
         self.history.extend(int(t) for t in tokens)
+        self._unrecorded = False
         self._n_out = len(tokens) if all_logits else 1
         self._skip = 0
 
@@ -317,15 +320,19 @@ class LlamaCppDecoder:
             raise ValueError(f"cannot roll back to {n}: the history holds {len(self.history)} tokens")
         self._end_tree()
         cached = len(self.history) - len(self._deferred)
-        if n < cached:
-            if not llama_cpp.llama_memory_seq_rm(self._mem_checked(), -1, n, -1):
+        # _unrecorded: a decode was interrupted (Ctrl-C lands right after llama_decode returns) before the
+        # history recorded it, so cells past the history may hold its tokens; any tree sequences go with them
+        if n < cached or self._unrecorded:
+            if not llama_cpp.llama_memory_seq_rm(self._mem_checked(), -1, min(n, cached), -1):
                 raise GGUFSpecError("this model's memory cannot be rolled back partially (recurrent model?)")
+            self._unrecorded = False
         del self._deferred[max(n - cached, 0):]
         del self.history[n:]
 
     def reset(self) -> None:
         """Forget the whole history."""
         llama_cpp.llama_memory_clear(self._mem_checked(), True)
+        self._unrecorded = False
         self.history.clear()
         self._deferred.clear()
         self._tree, self._tree_pre = None, []
@@ -382,6 +389,7 @@ class LlamaCppDecoder:
             llama_cpp.llama_memory_seq_cp(mem, 0, s, -1, -1)
         self._batch.fill_tree(tokens, [base + d for d in tree.depth], tree.seq_ids)
         t0 = time.perf_counter()
+        self._unrecorded = True
         rc = llama_cpp.llama_decode(self._ctx, self._batch.struct)
         self.decode_seconds += time.perf_counter() - t0
         self.n_decodes += 1
@@ -394,6 +402,7 @@ class LlamaCppDecoder:
         self._n_out = len(tokens)
         self._tree = tree
         self._tree_tokens = [int(t) for t in tokens]
+        self._unrecorded = False
         return self._logits(len(tokens))
 
     def commit_tree_path(self, path: Sequence[int]) -> None:

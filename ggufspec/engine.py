@@ -71,7 +71,23 @@ class GenerationResult:
     stats: Stats
 
 
-Prompt = str | list[Message]
+Prompt = str | list[Message] | list[int]  # plain text, chat messages (rendered with the GGUF's template), or token ids
+
+
+@dataclass
+class GenerationResponse:
+    """What `stream` yields: one committed token (the last response: none, with the finish reason and result).
+
+    `text` is the text that became safe to show with this token (UTF-8 complete, no stop string), possibly
+    empty; `from_draft` says the token was proposed by a draft (model, lookup or Medusa) and kept by the target.
+    """
+
+    text: str
+    token: int | None
+    from_draft: bool
+    stats: Stats
+    finish_reason: StopReason | None = None
+    result: GenerationResult | None = None
 
 
 class SpeculativeEngine:
@@ -129,9 +145,18 @@ class SpeculativeEngine:
 
     # --- prompts --------------------------------------------------------------------------
 
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self.target.metadata("tokenizer.chat_template"))
+
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a plain prompt, or of chat messages rendered with the GGUF's chat template."""
         vocab = self.target.vocab
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            bad = [t for t in prompt if not 0 <= t < self.target.n_vocab]
+            if bad:
+                raise GGUFSpecError(f"token id {bad[0]} is outside this model's vocabulary of {self.target.n_vocab}.")
+            return list(prompt)
         if isinstance(prompt, str):
             if not prompt:
                 raise GGUFSpecError("the prompt is empty.")
@@ -151,8 +176,9 @@ class SpeculativeEngine:
         assert self.last_result is not None
         return self.last_result
 
-    def stream(self, prompt: Prompt, settings: GenerationSettings | None = None) -> Iterator[str]:
-        """Yield text pieces as they are committed; the full result is in `last_result` afterwards."""
+    def stream(self, prompt: Prompt, settings: GenerationSettings | None = None) -> Iterator[GenerationResponse]:
+        """Yield a response per committed token, then one with the finish reason and the whole result (also left
+        in `last_result`, even when the caller stops early)."""
         if self._closed:
             raise GGUFSpecError("this engine is closed.")
         if not self._lock.acquire(blocking=False):
@@ -162,13 +188,18 @@ class SpeculativeEngine:
         finally:
             self._lock.release()
 
-    def _run(self, prompt: Prompt, s: GenerationSettings) -> Iterator[str]:
-        target, draft = self.target, self.draft
-        method = s.method or ("vanilla" if draft is not None else "medusa" if self.medusa else "autoregressive")
-        if method == "vanilla" and draft is None:
+    def method_for(self, s: GenerationSettings) -> str:
+        """The method `s` runs on this engine; GGUFSpecError when it needs a model this engine lacks."""
+        method = s.method or ("vanilla" if self.draft is not None else "medusa" if self.medusa else "autoregressive")
+        if method == "vanilla" and self.draft is None:
             raise GGUFSpecError("method 'vanilla' needs a draft model (-d DRAFT.gguf).")
         if method == "medusa" and self.medusa is None:
             raise GGUFSpecError("method 'medusa' needs Medusa heads (--medusa HEADS.gguf).")
+        return method
+
+    def _run(self, prompt: Prompt, s: GenerationSettings) -> Iterator[GenerationResponse]:
+        target, draft = self.target, self.draft
+        method = self.method_for(s)
         tree = None
         if method == "medusa":  # the heads' own fitted tree unless another is asked for
             own = self.medusa.choices if s.medusa_tree is None else None
@@ -184,7 +215,7 @@ class SpeculativeEngine:
                     "raise --n-ctx, shorten the prompt, or allow --truncate-prompt."
                 )
             tokens = tokens[len(tokens) - (n_ctx - min(s.max_tokens, n_ctx // 2)):]
-        stats = Stats(prompt_tokens=len(tokens))
+        stats = Stats(prompt_tokens=len(tokens), method=method)
         limit = s.max_tokens if s.context_shift else min(s.max_tokens, n_ctx - len(tokens))
         for d in (target, draft) if draft is not None else (target,):
             d.shift_keep = min(len(tokens), n_ctx // 4) if s.context_shift else None
@@ -196,6 +227,7 @@ class SpeculativeEngine:
         # before the prefill: measuring the cost model (first `auto` run only) resets the contexts
         drafting = self._drafting(method, draft, s) if method not in ("autoregressive", "medusa") else None
         t0 = time.perf_counter()
+        decoded_before, base_t, base_d = target.n_decoded_tokens, 0.0, 0.0
         try:
             # The last prompt token is decoded by the first step, so every position is decoded once. `auto`
             # prefills the draft only where it expects to draft with it; elsewhere the draft catches up when
@@ -210,6 +242,8 @@ class SpeculativeEngine:
                     d.rollback_to(0)
             t1 = time.perf_counter()
             stats.prefill_seconds = t1 - t0
+            stats.prefill_tokens = target.n_decoded_tokens - decoded_before
+            stats.cached_tokens = max(0, len(tokens) - 1 - stats.prefill_tokens)
             base_t, base_d = target.decode_seconds, draft.decode_seconds if draft else 0.0
             if tree is not None:
                 steps: Iterator[Step] = medusa(target, self.medusa, tree, tokens[-1], limit, s.sampling, rng, s.typical)
@@ -220,30 +254,34 @@ class SpeculativeEngine:
             reason = "length" if limit < s.max_tokens else "max_tokens"
             for step in steps:
                 stats.record(step.drafted, len(step.tokens) - 1)
-                for tok in step.tokens:
+                for i, tok in enumerate(step.tokens):
                     if target.vocab.is_eog(tok) or tok in stop_ids:
                         reason = "stop"
                         break
                     out.append(tok)
+                    stats.generated_tokens = len(out)
                     piece = text.push(target.vocab.piece(tok))
-                    if piece:
-                        yield piece
+                    yield GenerationResponse(piece, tok, i < len(step.tokens) - 1, stats)
                     if text.stopped:
                         reason = "stop"
                         break
                 if reason == "stop":
                     steps.close()
                     break
-            tail = text.flush()
-            if tail:
-                yield tail
+            self._finish(stats, out, text, reason, t0, base_t, base_d, draft)
+            yield GenerationResponse(text.flush(), None, False, stats, reason, self.last_result)
         finally:
-            stats.generated_tokens = len(out)
-            if stats.prefill_seconds:
-                stats.generation_seconds = time.perf_counter() - t0 - stats.prefill_seconds
-                stats.target_seconds = target.decode_seconds - base_t
-                stats.draft_seconds = (draft.decode_seconds - base_d) if draft else 0.0
-            self.last_result = GenerationResult(text.text, out, reason, stats)
+            if self.last_result is None or self.last_result.stats is not stats:  # stopped early by the caller
+                self._finish(stats, out, text, "interrupted", t0, base_t, base_d, draft)
+
+    def _finish(self, stats: Stats, out: list[int], text: TextStream, reason: StopReason, t0: float, base_t: float,
+                base_d: float, draft: LlamaCppDecoder | None) -> None:
+        stats.generated_tokens = len(out)
+        if stats.prefill_seconds:
+            stats.generation_seconds = time.perf_counter() - t0 - stats.prefill_seconds
+            stats.target_seconds = self.target.decode_seconds - base_t
+            stats.draft_seconds = (draft.decode_seconds - base_d) if draft else 0.0
+        self.last_result = GenerationResult(text.text, out, reason, stats)
 
     def _drafting(self, method: str, draft: LlamaCppDecoder | None, s: GenerationSettings):
         """The drafter and draft-length policy of a speculative method."""

@@ -10,6 +10,8 @@ class Stats:
     """Counts and seconds; `accepted` counts draft tokens the target kept (bonus tokens excluded)."""
 
     prompt_tokens: int = 0
+    prefill_tokens: int = 0  # prompt tokens decoded before the first step (the rest: cached, or the last one)
+    cached_tokens: int = 0  # prompt tokens whose KV entries were reused from the previous generation
     generated_tokens: int = 0
     target_passes: int = 0
     drafted: int = 0
@@ -18,6 +20,7 @@ class Stats:
     generation_seconds: float = 0.0
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
+    method: str = ""
     # [i]: passes whose draft position i was judged (drafted, all before it kept) / kept
     judged_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
@@ -50,7 +53,7 @@ class Stats:
 
     @property
     def prefill_tps(self) -> float:
-        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+        return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
 
     @property
     def generation_tps(self) -> float:
@@ -70,7 +73,9 @@ class Stats:
 
     def line(self) -> str:
         s = (
-            f"prompt {self.prompt_tokens} tok @ {self.prefill_tps:.1f} tok/s | "
+            f"prompt {self.prompt_tokens} tok"
+            + (f" ({self.cached_tokens} cached)" if self.cached_tokens else "")
+            + f" @ {self.prefill_tps:.1f} tok/s | "
             f"generated {self.generated_tokens} tok @ {self.generation_tps:.2f} tok/s | "
             f"{self.target_passes} target passes, {self.mean_accepted_length:.2f} tok/pass"
         )
