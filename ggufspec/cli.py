@@ -81,87 +81,129 @@ def decoder_options(n_ctx, n_batch, n_ubatch, threads, threads_batch, n_gpu_laye
         raise click.UsageError(str(e)) from None
 
 
+_METHOD_HELP = ("autoregressive | vanilla (draft model) | lookup (n-grams of the text so far) | auto (lookup, then the "
+                "draft; length from a measured cost model; off when it cannot pay) | medusa (--medusa heads propose a "
+                "token tree, verified in one target pass).")
+
+
+def generation_options(max_tokens: int | None, default_method: str):
+    """Model, speculation and sampling options shared by generate, chat and serve (then the model options)."""
+    def decorate(f):
+        f = model_options(f)
+        for opt in reversed([
+            click.option("-m", "--model", "target", type=click.Path(dir_okay=False), default=None,
+                         help="Target GGUF (default: the --preset's, else the offline `demo` preset)."),
+            click.option("-d", "--draft", type=click.Path(dir_okay=False), default=None,
+                         help="Draft GGUF (same vocabulary)."),
+            click.option("--preset", default=None,
+                         help="A named pair from `ggufspec models`, fetched from the hub when needed."),
+            click.option("--method", type=click.Choice(METHODS), default=None,
+                         help=f"{_METHOD_HELP} Default: {default_method}."),
+            click.option("-n", "--max-tokens", type=click.IntRange(min=1), default=max_tokens,
+                         show_default=max_tokens is not None,
+                         help=None if max_tokens else "Most tokens per answer (default: up to the end of the context)."),
+            click.option("--temp", type=click.FloatRange(min=0), default=0.0, show_default=True, help="0 is greedy."),
+            click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0: off."),
+            click.option("--top-p", type=float, default=1.0, show_default=True, help="In (0, 1]; 1: off."),
+            click.option("--min-p", type=float, default=0.0, show_default=True, help="In [0, 1]; 0: off."),
+            click.option("--seed", type=int, default=None, help="Seed for sampling (same seed, same text)."),
+            click.option("--draft-max", type=click.IntRange(min=1), default=4, show_default=True,
+                         help="Most tokens drafted per step."),
+            click.option("--draft-p-min", type=click.FloatRange(0, 1), default=0.0, show_default=True,
+                         help="Stop drafting when the draft's top probability falls under this."),
+            click.option("--medusa", "medusa_path", type=click.Path(dir_okay=False), default=None,
+                         help="Medusa heads GGUF trained for this target (`ggufspec medusa train`, `ggufspec convert medusa`)."),
+            click.option("--tree", "medusa_tree", default=None,
+                         help="Medusa candidate tree: mc_sim_7b_63, mc_sim_31, mc_sim_15, chain_4, or a JSON file of "
+                              "choices (default: the tree stored with the heads by `medusa train`, else mc_sim_7b_63)."),
+            click.option("--medusa-vocab", "medusa_vocab", metavar="N|FILE", default=None,
+                         help="Medusa heads propose only from a restricted candidate vocabulary: the N lowest token ids "
+                              "(BPE ids follow merge order, roughly frequency) or the ids in FILE (JSON list, or integers "
+                              "separated by spaces/commas/newlines); the target's special tokens always stay in. Much "
+                              "cheaper heads; output unchanged (the target verifies), only acceptance may drop. Default: "
+                              "the whole vocabulary."),
+            click.option("--typical", is_flag=True,
+                         help="Medusa at --temp > 0: typical acceptance (threshold 0.09, alpha 0.3), faster but NOT "
+                              "exact: the text no longer follows the target's sampling distribution. Without it Medusa "
+                              "samples exactly; at --temp 0 it is greedy."),
+            click.option("--stop", multiple=True, help="Stop string (repeatable)."),
+        ]):
+            f = opt(f)
+        return f
+    return decorate
+
+
+_GENERATION_KEYS = ("target", "draft", "preset", "method", "max_tokens", "temp", "top_k", "top_p", "min_p", "seed",
+                    "draft_max", "draft_p_min", "medusa_path", "medusa_tree", "medusa_vocab", "typical", "stop")
+_MODEL_KEYS = ("n_ctx", "n_batch", "n_ubatch", "threads", "threads_batch", "n_gpu_layers", "no_mmap", "mlock", "no_repack",
+               "flash_attn", "kv_type", "verbose", "no_memory_check")
+
+
+def load_engine(params: dict, default_method: str | None = None, **settings_extra):
+    """The engine and settings of `generation_options` (taken out of `params`): a preset resolved and fetched, the
+    combination checked, the models loaded. default_method applies unless Medusa heads are given."""
+    from .engine import GenerationSettings, SpeculativeEngine
+    from .sampling import SamplingParams
+
+    g = {k: params.pop(k) for k in _GENERATION_KEYS}
+    model_opts = {k: params.pop(k) for k in _MODEL_KEYS}
+    target, draft, medusa_path, method, draft_max = g["target"], g["draft"], g["medusa_path"], g["method"], g["draft_max"]
+    if target is None:
+        target, draft, medusa_path, method, draft_max = _from_preset(g["preset"] or "demo", draft, medusa_path, method,
+                                                                     draft_max)
+    elif g["preset"] is not None:
+        raise click.UsageError("give either --preset NAME or -m TARGET.gguf, not both.")
+    if method is None and medusa_path is None:
+        method = default_method
+    if method == "vanilla" and draft is None:
+        raise click.UsageError("--method vanilla needs a draft model: -d DRAFT.gguf")
+    if method == "medusa" and medusa_path is None:
+        raise click.UsageError("--method medusa needs heads: --medusa HEADS.gguf")
+    medusa_vocab = g["medusa_vocab"]
+    if medusa_vocab is not None and medusa_path is None:
+        raise click.UsageError("--medusa-vocab restricts Medusa heads: give them with --medusa HEADS.gguf (or a Medusa --preset)")
+    if medusa_vocab is not None and medusa_vocab.strip().lstrip("+-").isdigit():
+        medusa_vocab = int(medusa_vocab)
+    options = decoder_options(**model_opts)
+    settings = GenerationSettings(
+        max_tokens=g["max_tokens"] or options.n_ctx, sampling=SamplingParams(g["temp"], g["top_k"], g["top_p"], g["min_p"]),
+        method=method, draft_max=draft_max, draft_p_min=g["draft_p_min"], seed=g["seed"], stop=tuple(g["stop"]),
+        medusa_tree=g["medusa_tree"], typical=g["typical"], **settings_extra,
+    )
+    engine = SpeculativeEngine.load(target, draft, options, settings, medusa_path=medusa_path, medusa_vocab=medusa_vocab)
+    return engine, settings
+
+
 @main.command()
 @click.argument("prompt")
-@click.option("-m", "--model", "target", type=click.Path(dir_okay=False), default=None,
-              help="Target GGUF (default: the --preset's, else the offline `demo` preset).")
-@click.option("-d", "--draft", type=click.Path(dir_okay=False), default=None, help="Draft GGUF (same vocabulary).")
-@click.option("--preset", default=None, help="A named pair from `ggufspec models`, fetched from the hub when needed.")
-@click.option("--method", type=click.Choice(METHODS), default=None,
-              help="autoregressive | vanilla (draft model) | lookup (n-grams of the text so far) | auto (lookup, "
-                   "then the draft; length from a measured cost model; off when it cannot pay). "
-                   "medusa (--medusa heads propose a token tree, verified in one target pass). "
-                   "Default: vanilla with a draft, medusa with --medusa, else autoregressive.")
-@click.option("-n", "--max-tokens", type=click.IntRange(min=1), default=256, show_default=True)
-@click.option("--temp", type=float, default=0.0, show_default=True, help="0 is greedy.")
-@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0: off.")
-@click.option("--top-p", type=float, default=1.0, show_default=True, help="In (0, 1]; 1: off.")
-@click.option("--min-p", type=float, default=0.0, show_default=True, help="In [0, 1]; 0: off.")
-@click.option("--seed", type=int, default=None, help="Seed for sampling (same seed, same text).")
-@click.option("--draft-max", type=click.IntRange(min=1), default=4, show_default=True, help="Most tokens drafted per step.")
-@click.option("--draft-p-min", type=click.FloatRange(0, 1), default=0.0, show_default=True,
-              help="Stop drafting when the draft's top probability falls under this.")
-@click.option("--medusa", "medusa_path", type=click.Path(dir_okay=False), default=None,
-              help="Medusa heads GGUF trained for this target (`ggufspec medusa train`, `ggufspec convert medusa`).")
-@click.option("--tree", "medusa_tree", default=None,
-              help="Medusa candidate tree: mc_sim_7b_63, mc_sim_31, mc_sim_15, chain_4, or a JSON file of choices "
-                   "(default: the tree stored with the heads by `medusa train`, else mc_sim_7b_63).")
-@click.option("--medusa-vocab", "medusa_vocab", metavar="N|FILE", default=None,
-              help="Medusa heads propose only from a restricted candidate vocabulary: the N lowest token ids (BPE ids "
-                   "follow merge order, roughly frequency) or the ids in FILE (JSON list, or integers separated by "
-                   "spaces/commas/newlines); the target's special tokens always stay in. Much cheaper heads; output "
-                   "unchanged (the target verifies), only acceptance may drop. Default: the whole vocabulary.")
-@click.option("--typical", is_flag=True,
-              help="Medusa at --temp > 0: typical acceptance (threshold 0.09, alpha 0.3), faster but NOT exact: the text "
-                   "no longer follows the target's sampling distribution. Without it Medusa samples exactly; at --temp 0 it is greedy.")
-@click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
+@click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template (the default when it has one).")
+@click.option("--raw", is_flag=True, help="Plain completion: the prompt as it is, without the chat template.")
 @click.option("--system", default=None, help="System message (implies --chat).")
-@click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--truncate-prompt", is_flag=True, help="Keep the end of a prompt that does not fit the context.")
 @click.option("--context-shift", is_flag=True,
               help="When the context is full, drop the older half of the text after the prompt's start and go on.")
 @click.option("--stats", "show_stats", is_flag=True, help="Print a stats line to stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, tokens, stats) instead of streaming.")
-@model_options
-def generate(prompt, target, draft, preset, method, max_tokens, temp, top_k, top_p, min_p, seed, draft_max, draft_p_min,
-             medusa_path, medusa_tree, medusa_vocab, typical, chat, system, stop, truncate_prompt, context_shift, show_stats,
-             as_json, **model_opts) -> None:
-    """Generate text from PROMPT (`-` reads standard input)."""
-    from .engine import GenerationSettings, SpeculativeEngine
-    from .sampling import SamplingParams
+@generation_options(max_tokens=256, default_method="vanilla with a draft, medusa with --medusa, else autoregressive")
+def generate(prompt, chat, raw, system, truncate_prompt, context_shift, show_stats, as_json, **params) -> None:
+    """Generate text from PROMPT (`-` reads standard input).
 
+    A model with a chat template gets PROMPT as a user message in it (as llama-cli and mlx_lm.generate do);
+    --raw gives it the text as it is."""
     if prompt == "-":
         prompt = sys.stdin.read()
     if not prompt.strip():
         raise click.UsageError("the prompt is empty.")
-    if target is None:
-        target, draft, medusa_path, method, draft_max = _from_preset(preset or "demo", draft, medusa_path, method,
-                                                                     draft_max)
-    elif preset is not None:
-        raise click.UsageError("give either --preset NAME or -m TARGET.gguf, not both.")
-    if method == "vanilla" and draft is None:
-        raise click.UsageError("--method vanilla needs a draft model: -d DRAFT.gguf")
-    if method == "medusa" and medusa_path is None:
-        raise click.UsageError("--method medusa needs heads: --medusa HEADS.gguf")
-    if medusa_vocab is not None and medusa_path is None:
-        raise click.UsageError("--medusa-vocab restricts Medusa heads: give them with --medusa HEADS.gguf (or a Medusa --preset)")
-    if medusa_vocab is not None and medusa_vocab.strip().lstrip("+-").isdigit():
-        medusa_vocab = int(medusa_vocab)
-    settings = GenerationSettings(
-        max_tokens=max_tokens, sampling=SamplingParams(temp, top_k, top_p, min_p), method=method,
-        draft_max=draft_max, draft_p_min=draft_p_min, seed=seed, stop=tuple(stop), truncate_prompt=truncate_prompt,
-        medusa_tree=medusa_tree, typical=typical, context_shift=context_shift,
-    )
-    options = decoder_options(**model_opts)
-    messages = None
-    if chat or system is not None:
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    engine = SpeculativeEngine.load(target, draft, options, settings, medusa_path=medusa_path, medusa_vocab=medusa_vocab)
+    if raw and (chat or system is not None):
+        raise click.UsageError("--raw gives the prompt as it is: it does not go with --chat or --system.")
+    engine, _ = load_engine(params, truncate_prompt=truncate_prompt, context_shift=context_shift)
     try:
+        templated = not raw and (chat or system is not None or engine.has_chat_template)
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         try:
-            for piece in engine.stream(messages or prompt):
-                if not as_json:
-                    sys.stdout.write(piece)
+            for r in engine.stream(messages if templated else prompt):
+                if not as_json and r.text:
+                    sys.stdout.write(r.text)
                     sys.stdout.flush()
         except KeyboardInterrupt:
             _finish(engine.last_result, show_stats, as_json)

@@ -14,10 +14,12 @@ from click.testing import CliRunner
 from ggufspec.cli import main
 from ggufspec.engine import GenerationSettings, SpeculativeEngine
 from ggufspec.textstream import TextStream
+from conftest import TINY
+from tiny_models import write_tiny_gguf
 
 
 def test_generate_json_matches_the_api(smollm2_path) -> None:
-    r = CliRunner().invoke(main, ["generate", "-m", str(smollm2_path), "-n", "24", "--json", "The capital of France is"])
+    r = CliRunner().invoke(main, ["generate", "-m", str(smollm2_path), "-n", "24", "--json", "--raw", "The capital of France is"])
     assert r.exit_code == 0, r.output
     out = json.loads(r.output)
     with SpeculativeEngine.load(smollm2_path) as engine:
@@ -39,6 +41,36 @@ def test_generate_chat_streams_and_prints_stats(smollm2_path) -> None:
     assert "tok/s" in r.stderr and "acceptance" in r.stderr and "tok/pass" in r.stderr
 
 
+def test_generate_applies_the_chat_template_by_default(smollm2_path) -> None:
+    prompt = "Write a haiku about rain."
+
+    def run(*args: str) -> dict:
+        r = CliRunner().invoke(main, ["generate", "-m", str(smollm2_path), "-n", "24", "--json", *args, prompt])
+        assert r.exit_code == 0, r.output
+        return json.loads(r.output)
+
+    default, chat, raw = run(), run("--chat"), run("--raw")
+    with SpeculativeEngine.load(smollm2_path) as engine:
+        as_chat = engine.generate([{"role": "user", "content": prompt}], GenerationSettings(max_tokens=24))
+        as_text = engine.generate(prompt, GenerationSettings(max_tokens=24))
+    assert default["tokens"] == chat["tokens"] == as_chat.tokens and raw["tokens"] == as_text.tokens
+    assert default["stats"]["prompt_tokens"] > raw["stats"]["prompt_tokens"] + 5  # the template's turn markers
+    assert default["text"].strip() and "<|im_" not in default["text"]
+    r = CliRunner().invoke(main, ["generate", "-m", str(smollm2_path), "--raw", "--chat", prompt])
+    assert r.exit_code == 2 and "--raw" in r.output
+
+
+def test_a_model_without_a_chat_template_gets_the_plain_prompt(tokenizer_fields, tiny_weights, tmp_path) -> None:
+    fields = [f for f in tokenizer_fields if f.name != "tokenizer.chat_template"]
+    path = write_tiny_gguf(tmp_path / "no-template.gguf", fields, tiny_weights, TINY)
+    runs = [CliRunner().invoke(main, ["generate", "-m", str(path), "-n", "6", "--json", *args, "Hello there"])
+            for args in ((), ("--raw",))]
+    assert all(r.exit_code == 0 for r in runs), runs[0].output
+    assert json.loads(runs[0].output)["tokens"] == json.loads(runs[1].output)["tokens"]
+    r = CliRunner().invoke(main, ["generate", "-m", str(path), "--chat", "Hello there"])
+    assert r.exit_code == 2 and "no chat template" in r.output
+
+
 def test_generate_reads_stdin(smollm2_path) -> None:
     r = CliRunner().invoke(main, ["generate", "-m", str(smollm2_path), "-n", "8", "--json", "-"],
                            input="def add(a, b):\n")
@@ -49,7 +81,7 @@ def test_generate_reads_stdin(smollm2_path) -> None:
 
 
 def test_stop_string(smollm2_path) -> None:
-    r = CliRunner().invoke(main, ["generate", "-m", str(smollm2_path), "-n", "60", "--json", "--stop", "\n",
+    r = CliRunner().invoke(main, ["generate", "-m", str(smollm2_path), "-n", "60", "--json", "--raw", "--stop", "\n",
                                   "Here is a list of fruits:\n1."])
     out = json.loads(r.output)
     assert out["stop_reason"] == "stop" and "\n" not in out["text"]

@@ -328,7 +328,8 @@ def test_unknown_tree_and_missing_heads_exit_2(tiny_target, random_heads, tmp_pa
 
 def test_cli_generate_medusa_json(tiny_target, random_heads) -> None:
     def run(*args: str) -> dict:
-        r = CliRunner().invoke(main, ["generate", "-m", str(tiny_target), "-n", "12", "-c", "512", "--json", *args, PROMPTS[1]])
+        r = CliRunner().invoke(main, ["generate", "-m", str(tiny_target), "-n", "12", "-c", "512", "--json", "--raw", *args,
+                                         PROMPTS[1]])
         assert r.exit_code == 0, r.output
         return json.loads(r.output.strip().splitlines()[-1])
 

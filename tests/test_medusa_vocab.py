@@ -100,10 +100,10 @@ def test_bad_counts_are_refused(random_heads) -> None:
 
 def test_cli_medusa_vocab(tiny_target, random_heads, tmp_path) -> None:
     def run(*args: str):
-        return CliRunner().invoke(main, ["generate", "-m", str(tiny_target), "-n", "10", "-c", "256", "--json",
+        return CliRunner().invoke(main, ["generate", "-m", str(tiny_target), "-n", "10", "-c", "256", "--json", "--raw",
                                          "--medusa", str(random_heads), *args, PROMPTS[1]])
 
-    ref = CliRunner().invoke(main, ["generate", "-m", str(tiny_target), "-n", "10", "-c", "256", "--json",
+    ref = CliRunner().invoke(main, ["generate", "-m", str(tiny_target), "-n", "10", "-c", "256", "--json", "--raw",
                                     "--method", "autoregressive", PROMPTS[1]])
     ids = tmp_path / "ids.json"
     ids.write_text(json.dumps(list(range(300))))
