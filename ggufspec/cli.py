@@ -213,6 +213,28 @@ def generate(prompt, chat, raw, system, truncate_prompt, context_shift, show_sta
         engine.close()
 
 
+@main.command()
+@click.option("--system", default=None, help="System message.")
+@click.option("--color/--no-color", "colour", default=None,
+              help="Show draft tokens the target kept in a second colour (default: on in a terminal, off with NO_COLOR).")
+@click.option("--stats", "show_stats", is_flag=True, help="Print a stats line to stderr after every answer.")
+@generation_options(max_tokens=1024, default_method="auto")
+def chat(system, colour, show_stats, **params) -> None:
+    """Chat with a model in the terminal: history kept, the KV cache of earlier turns reused, answers streamed.
+
+    Commands: /reset, /stats, /exit. Ctrl-C stops an answer, Ctrl-D exits."""
+    from .terminal_chat import run_chat, use_colour
+
+    engine, settings = load_engine(params, default_method="auto")
+    with engine:
+        if not engine.has_chat_template:
+            raise GGUFSpecError(f"{engine.target.path} has no chat template (tokenizer.chat_template): "
+                                "use `ggufspec generate` for plain completion.")
+        name = engine.target.path.name + (f" + {engine.draft.path.name}" if engine.draft else "")
+        click.echo(f"ggufspec chat: {name}, method {engine.method_for(settings)}", err=True)
+        run_chat(engine, settings, system, use_colour(colour, sys.stdout), show_stats)
+
+
 def _from_preset(name: str, draft: str | None, medusa: str | None, method: str | None, draft_max: int
                  ) -> tuple[str, str | None, str | None, str, int]:
     """Target, draft, heads, method and draft length of a preset (fetched as needed); what the user gave wins."""

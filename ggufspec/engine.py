@@ -146,6 +146,11 @@ class SpeculativeEngine:
     # --- prompts --------------------------------------------------------------------------
 
     @property
+    def n_ctx(self) -> int:
+        """The context both models share: the longest prompt plus answer."""
+        return min(self.target.n_ctx, self.draft.n_ctx) if self.draft is not None else self.target.n_ctx
+
+    @property
     def has_chat_template(self) -> bool:
         return bool(self.target.metadata("tokenizer.chat_template"))
 
