@@ -235,6 +235,32 @@ def chat(system, colour, show_stats, **params) -> None:
         run_chat(engine, settings, system, use_colour(colour, sys.stdout), show_stats)
 
 
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True, help="Port (0: any free one).")
+@click.option("--api-key", envvar="GGUFSPEC_API_KEY", default=None,
+              help="Require `Authorization: Bearer KEY` on /v1 (also GGUFSPEC_API_KEY).")
+@click.option("--queue", type=click.IntRange(min=0), default=16, show_default=True,
+              help="Requests that may wait while one runs; more get HTTP 429.")
+@click.option("--alias", default=None, help="Model name to report and accept (default: the target's file name).")
+@generation_options(max_tokens=None, default_method="auto")
+def serve(host, port, api_key, queue, alias, **params) -> None:
+    """An OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /health.
+
+    Each request may override sampling and speculation (`"speculative": {"method": "vanilla", "draft_max": 3}`).
+    Needs the server extra: pip install 'ggufspec[server]'."""
+    try:
+        from .server import serve as run_server
+    except ImportError as e:
+        raise GGUFSpecError(f"`ggufspec serve` needs the server extra ({e.name} is missing): "
+                            "pip install 'ggufspec[server]'") from None
+
+    engine, settings = load_engine(params, default_method="auto")
+    with engine:
+        run_server(engine, settings, alias or engine.target.path.name, host, port, queue, api_key,
+                   lambda line: click.echo(line, err=True))
+
+
 def _from_preset(name: str, draft: str | None, medusa: str | None, method: str | None, draft_max: int
                  ) -> tuple[str, str | None, str | None, str, int]:
     """Target, draft, heads, method and draft length of a preset (fetched as needed); what the user gave wins."""

@@ -273,8 +273,9 @@ class SpeculativeEngine:
                 if reason == "stop":
                     steps.close()
                     break
+            tail = text.flush()
             self._finish(stats, out, text, reason, t0, base_t, base_d, draft)
-            yield GenerationResponse(text.flush(), None, False, stats, reason, self.last_result)
+            yield GenerationResponse(tail, None, False, stats, reason, self.last_result)
         finally:
             if self.last_result is None or self.last_result.stats is not stats:  # stopped early by the caller
                 self._finish(stats, out, text, "interrupted", t0, base_t, base_d, draft)
