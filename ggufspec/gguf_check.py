@@ -23,10 +23,13 @@ MAX_DIMS = 4
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
 
-# Hyperparameters llama.cpp asserts on (aborting the process) when out of range: "{arch}.KEY" -> (min, max).
-_HPARAM_LIMITS = {
+# Hyperparameters llama.cpp asserts on (aborting the process) when out of range, or multiplies into tensor
+# shapes where a huge value wraps around to a size that matches: "{arch}.KEY" -> (min, max or another key).
+_HPARAM_LIMITS: dict[str, tuple[int, int | str]] = {
     "block_count": (1, 512),  # LLAMA_MAX_LAYERS
     "expert_count": (0, 1024),  # LLAMA_MAX_EXPERTS
+    "attention.head_count": (1, "embedding_length"),
+    "attention.head_count_kv": (1, "attention.head_count"),
 }
 
 
@@ -129,9 +132,13 @@ def read_header(path: str | os.PathLike) -> GGUFHeader:
                     f"cannot fit in {size:,} bytes). Download or convert it again."
                 )
             metadata: dict[str, object] = {}
+            arrays: set[str] = set()
             for _ in range(n_kv):
                 key = c.string().decode("utf-8", errors="replace")
-                metadata[key] = c.value(c.scalar("I"), unique=key == "tokenizer.ggml.tokens")
+                vtype = c.scalar("I")
+                if vtype == _ARRAY:
+                    arrays.add(key)
+                metadata[key] = c.value(vtype, unique=key == "tokenizer.ggml.tokens")
             infos = []
             for _ in range(n_tensors):
                 name = c.string().decode("utf-8", errors="replace")
@@ -152,9 +159,13 @@ def read_header(path: str | os.PathLike) -> GGUFHeader:
                 infos.append(TensorInfo(name, shape, ttype, offset, n // block * type_size))
             arch = metadata.get("general.architecture")
             for key, (lo, hi) in _HPARAM_LIMITS.items():
-                value = metadata.get(f"{arch}.{key}")
-                if isinstance(value, int) and not lo <= value <= hi:
-                    raise ModelFileError(f"{p}: damaged metadata: {arch}.{key} is {value}, outside {lo}..{hi}.")
+                name = f"{arch}.{key}"
+                value = metadata.get(name)
+                top = metadata.get(f"{arch}.{hi}") if isinstance(hi, str) else hi
+                if name in arrays or not isinstance(value, int) or not isinstance(top, int) or f"{arch}.{hi}" in arrays:
+                    continue  # absent, per layer, or bounded by a key that is not a plain number
+                if not lo <= value <= top:
+                    raise ModelFileError(f"{p}: damaged metadata: {name} is {value}, outside {lo}..{top}.")
             align = metadata.get("general.alignment", 32)
             if not isinstance(align, int) or align <= 0 or align & (align - 1):
                 raise ModelFileError(f"{p}: invalid general.alignment {align!r}.")

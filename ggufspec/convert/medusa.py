@@ -241,7 +241,8 @@ def load_medusa_gguf(path: Path) -> MedusaHeads:
     read_header(path)  # bounds-checked first: gguf-py's reader indexes past the end of damaged tables
     try:
         return _read_medusa(path)
-    except (OSError, ValueError, TypeError, IndexError, KeyError, OverflowError) as e:
+    except (OSError, ValueError, TypeError, IndexError, KeyError, OverflowError, NotImplementedError) as e:
+        # NotImplementedError: gguf-py cannot dequantize the type a tensor claims (Q8_1, say)
         raise ModelFileError(f"{path}: damaged Medusa GGUF ({type(e).__name__}: {e})") from None
 
 
