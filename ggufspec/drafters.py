@@ -1,8 +1,8 @@
 """Where draft tokens come from: a draft model, or n-gram lookup in the text so far (`auto` uses both).
 
-A drafter returns up to k tokens after `context`: a chain and, when sampling, the distribution q
-each was drawn from (one-hot rows for deterministic proposals, which keeps rejection sampling
-exact); or, greedy only, a token tree.
+A drafter returns up to k tokens after `context`: a chain or a token tree and, when sampling, the
+distribution q each was drawn from (one-hot rows for deterministic proposals, which keeps rejection
+sampling exact).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class Draft(NamedTuple):
     """Proposed tokens: a chain, or with `tree` its nodes after the root (the context's last token)."""
 
     tokens: list[int]
-    q: np.ndarray | None = None  # sampling: the rows the tokens were drawn from
+    q: np.ndarray | None = None  # sampling: the rows the tokens (the tree's nodes) were drawn from
     tree: Tree | None = None
 
 
@@ -39,16 +39,16 @@ class Drafter(Protocol):
 class ModelDrafter:
     """A small model sharing the target's vocabulary; stops early when its top probability < p_min.
 
-    tree_leaves > 1: greedy drafts are trees of up to that many leaves (the target must hold one
-    sequence more); else chains.
+    tree_leaves > 1: drafts are trees of up to that many leaves (the target must hold one sequence more);
+    else chains.
     """
 
     def __init__(self, draft: Decoder, n_vocab: int, p_min: float = 0.0, tree_leaves: int = 0) -> None:
         self.draft, self.n_vocab, self.p_min, self.tree_leaves = draft, n_vocab, p_min, tree_leaves
 
     def propose(self, context, k, params, rng):
-        if params.greedy and self.tree_leaves > 1 and k > 1:
-            return self._tree(context, k)
+        if self.tree_leaves > 1 and k > 1:
+            return self._tree(context, k, params, rng)
         logits = self.draft.sync(context, view=True)[-1, : self.n_vocab]
         tokens: list[int] = []
         qs: list[np.ndarray] = []
@@ -63,32 +63,52 @@ class ModelDrafter:
             logits = self.draft.feed([tokens[-1]], view=True)[-1, : self.n_vocab]
         return Draft(tokens, np.stack(qs) if qs else None)
 
-    def _tree(self, context: list[int], k: int) -> Draft:
-        """k nodes: the draft's best chain while its own chance stays >= REACH_MIN, then the runner-ups
-        along it that the draft rates likeliest (chance of the chain before them x their probability)."""
-        ranked: list[np.ndarray] = []  # per depth: the draft's top tokens, best first
-        spare: list[tuple[float, int, int]] = []  # (chance, depth, rank) of runner-ups
-        reach = 1.0
+    def _tree(self, context: list[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Draft:
+        """k nodes: the draft's chain (its best guesses when greedy, draws from its q when sampling) while the draft
+        gives the whole chain at least REACH_MIN, then runner-ups where the draft expects them to pay most (chance
+        of the chain before them x their probability): the next-best guesses, or when sampling, further draws
+        from the same q without replacement, each with the q it was drawn from (see medusa_trees.walk)."""
+        chain: list[int] = []
+        dists: list[np.ndarray] = []  # per depth: the draft's distribution (its plain softmax when greedy)
+        reach = [1.0]  # chance of the chain before each depth, then of the whole chain
         logits = self.draft.sync(context, view=True)[-1, : self.n_vocab]
         while True:
-            top = np.argpartition(logits, -k)[-k:]
-            top = top[np.argsort(-logits[top])]
-            z = np.exp(logits - logits[top[0]])
-            p = z[top] / z.sum()
-            spare += [(reach * float(x), len(ranked), r) for r, x in enumerate(p[1:], 1)]
-            ranked.append(top)
-            reach *= float(p[0])
-            if len(ranked) == k or reach < REACH_MIN or p[0] < self.p_min:
+            z = softmax(logits) if params.greedy else probabilities(logits, params)
+            chain.append(int(z.argmax()) if params.greedy else sample(z, rng))
+            dists.append(z)
+            reach.append(reach[-1] * float(z[chain[-1]]))
+            if len(chain) == k or reach[-1] < REACH_MIN or z.max() < self.p_min:
                 break
-            logits = self.draft.feed([int(top[0])], view=True)[-1, : self.n_vocab]
-        room = min(k - len(ranked), self.tree_leaves - 1)  # every runner-up is a leaf, as is the chain's end
+            logits = self.draft.feed([chain[-1]], view=True)[-1, : self.n_vocab]
+        room = min(k - len(chain), self.tree_leaves - 1)  # every runner-up is a leaf, as is the chain's end
         if room <= 0:
-            return Draft([int(t[0]) for t in ranked])
-        spare.sort(key=lambda s: -s[0])
+            return Draft(chain, None if params.greedy else np.stack(dists))
+        rest = [z.copy() for z in dists]  # what is left at each depth to propose
+        for d, x in enumerate(chain):
+            rest[d][x] = 0.0
+        nodes: list[tuple[int, int, np.ndarray | None]] = []  # runner-ups: (depth, token, q drawn from)
+        for _ in range(room):
+            d = max(range(len(chain)), key=lambda d: reach[d] * rest[d].max())
+            if rest[d].max() <= 0:  # sampling with top-k/top-p: nothing left that the draft would propose
+                break
+            if params.greedy:
+                nodes.append((d, int(rest[d].argmax()), None))
+            else:
+                q = rest[d] / rest[d].sum()
+                nodes.append((d, sample(q, rng), q))
+            rest[d][nodes[-1][1]] = 0.0
+        if not nodes:
+            return Draft(chain, None if params.greedy else np.stack(dists))
         # the chain first: when it is kept, the target's cache needs no repair (see commit_tree_path)
-        choices = [(0,) * (d + 1) for d in range(len(ranked))] + [(0,) * d + (r,) for _, d, r in spare[:room]]
+        ranks = [0] * len(chain)
+        choices = [(0,) * (d + 1) for d in range(len(chain))]
+        for d, _, _ in nodes:
+            ranks[d] += 1
+            choices.append((0,) * d + (ranks[d],))
         tree = _tree(tuple(choices))
-        return Draft([int(ranked[len(c) - 1][c[-1]]) for c in tree.choices], None, tree)
+        tokens = chain + [t for _, t, _ in nodes]
+        q = None if params.greedy else np.stack(dists + [r for _, _, r in nodes])
+        return Draft(tokens, q, tree)
 
 
 class LookupDrafter:

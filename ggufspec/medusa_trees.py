@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
 from .errors import GGUFSpecError
-from .sampling import SamplingParams, pick
+from .sampling import SamplingParams, pick, probabilities, sample
 
 
 class TreeError(GGUFSpecError):
@@ -74,16 +75,51 @@ class Tree:
         return build_tree([c for c in self.choices if len(c) <= max_depth])
 
 
-def walk(tree: Tree, tokens: np.ndarray, logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> tuple[list[int], int]:
-    """The target's own picks down the tree: the path of matched nodes (root first) and the next token."""
+def walk(tree: Tree, tokens: np.ndarray, logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
+         q: Sequence[np.ndarray | None] | None = None) -> tuple[list[int], int]:
+    """The target's own picks down the tree: the path of kept nodes (root first) and the next token.
+
+    Without q (candidates chosen deterministically, as Medusa's and greedy drafts are): the target picks a token
+    at each node and moves to the child holding it. With q, q[i] the distribution node i's token was drawn from
+    (given its parent and its earlier siblings): recursive rejection sampling over each node's children in order
+    (SpecInfer's multi-step speculative sampling; Jeon et al. 2024): child i is kept with probability
+    min(1, p(x)/q[i](x)), and after a rejection p becomes norm(max(0, p - q[i])); when no child is kept, the next
+    token is drawn from what p has become. Either way every token follows the target's distribution exactly.
+    """
     path = [0]
     while True:
-        token = pick(logits[path[-1]], params, rng)
-        kids = tree.children(path[-1])
-        match = kids[tokens[kids] == token]
-        if len(match) == 0:
-            return path, token
-        path.append(int(match[0]))
+        node = path[-1]
+        kids = tree.children(node)
+        if q is None or params.greedy:
+            token = pick(logits[node], params, rng)
+            match = kids[tokens[kids] == token]
+            if len(match) == 0:
+                return path, token
+            path.append(int(match[0]))
+            continue
+        p = probabilities(logits[node], params)
+        for kid in kids:
+            p, kept = rejection_step(p, q[kid], int(tokens[kid]), rng)
+            if kept:
+                path.append(int(kid))
+                break
+        else:
+            return path, sample(p, rng)
+
+
+def rejection_step(p: np.ndarray, q: np.ndarray | None, x: int, rng: np.random.Generator) -> tuple[np.ndarray, bool]:
+    """Keep candidate x, drawn from q (None: chosen deterministically), with probability min(1, p(x)/q(x)); on a
+    rejection, also the distribution the next candidate or the final draw must use: norm(max(0, p - q))."""
+    qx = 1.0 if q is None else float(q[x])
+    if qx > 0 and rng.random() * qx <= p[x]:
+        return p, True
+    if q is None:
+        rest = p.copy()
+        rest[x] = 0.0
+    else:
+        rest = np.maximum(p - q, 0.0)
+    total = rest.sum()
+    return (rest / total if total > 0 else p), False
 
 
 def build_tree(choices: list[list[int]] | list[tuple[int, ...]], keep_order: bool = False) -> Tree:

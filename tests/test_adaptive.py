@@ -12,7 +12,7 @@ import ggufspec.adaptive as adaptive
 from ggufspec.adaptive import MIN_GAIN, PROBE_EVERY, AdaptiveLength, AutoDrafter, ContextCosts, CostModel, measure
 import ggufspec.drafters as drafters
 from ggufspec.drafters import Draft, LookupDrafter, ModelDrafter
-from ggufspec.sampling import SamplingParams, softmax
+from ggufspec.sampling import SamplingParams, probabilities, softmax
 
 from conftest import open_decoder
 
@@ -352,7 +352,13 @@ def test_greedy_draft_trees_follow_the_draft_while_it_is_confident(tiny_draft, m
         assert one.tokens == top and one.tree.choices == ((0,), (1,), (2,)) and d.n_decodes - n0 <= 1
         leaves2 = ModelDrafter(d, d.n_vocab, tree_leaves=2).propose(context, 3, greedy, None)
         assert leaves2.tokens == top[:2] and leaves2.tree.choices == ((0,), (1,))  # a leaf for the chain's end
-        assert drafter.propose(context, 3, SamplingParams(0.8), np.random.default_rng(0)).tree is None
+        # sampling: the guess is drawn from q and the runner-ups from what is left of it, each with the row it was
+        # drawn from (walk's recursive rejection sampling needs them)
+        sampled = drafter.propose(context, 3, SamplingParams(0.8), np.random.default_rng(0))
+        q0 = probabilities(d.sync(context)[-1, : d.n_vocab], SamplingParams(0.8))
+        assert sampled.tree.choices == ((0,), (1,), (2,)) and len(set(sampled.tokens)) == 3
+        assert np.allclose(sampled.q[0], q0) and sampled.q[1][sampled.tokens[0]] == 0
+        assert np.allclose(sampled.q[1], np.where(np.arange(len(q0)) == sampled.tokens[0], 0, q0) / (1 - q0[sampled.tokens[0]]))
         # in between (a threshold that the chain's first two guesses together fall under): two chain
         # nodes, and the node left goes to the likelier of the two runner-ups
         (top0, p0), (top1, p1) = ranked(context), ranked(context + chain.tokens[:1])

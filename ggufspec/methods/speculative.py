@@ -1,8 +1,9 @@
 """Speculative decoding (Leviathan et al. 2023; Chen et al. 2023), for any drafter.
 
 A drafter proposes up to k tokens, the target scores them all in one batch, and `accept`
-keeps the longest prefix that the target's own sampling would have kept. A greedy draft may be a
-token tree instead: the target keeps the path its own argmax takes through it.
+keeps the longest prefix that the target's own sampling would have kept. A draft may be a token tree
+instead: the target keeps the path its own argmax takes through it, or when sampling, the path that
+recursive rejection sampling over each node's children keeps (`walk`).
 """
 
 from __future__ import annotations
@@ -67,9 +68,11 @@ def speculative(
         k = max(0, min(length.choose() - target.n_deferred, limit - 1))
         draft = drafter.propose(target.history + [last], k, params, rng) if k > 0 else Draft([])
         drafts = draft.tokens
-        if draft.tree is not None:  # the target walks the tree as it walks Medusa's: its own picks, node by node
+        if draft.tree is not None:  # greedy: the target's own picks node by node; sampling: recursive rejection
             nodes = np.array([last, *drafts])
-            path, nxt = walk(draft.tree, nodes, target.tree_logits(nodes, draft.tree.parents), params, rng)
+            logits = target.tree_logits(nodes, draft.tree.parents)
+            q = None if draft.q is None else [None, *pad_vocab(draft.q, logits.shape[-1])]
+            path, nxt = walk(draft.tree, nodes, logits, params, rng, q)
             target.commit_tree_path(path)
             new = [int(t) for t in nodes[path[1:]]] + [nxt]
         else:
