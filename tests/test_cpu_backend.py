@@ -12,8 +12,10 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import CPU_BACKEND, open_decoder
+from ggufspec import cpu_backend
 from ggufspec.cli import main
 from ggufspec.convert.quantize import quantize
+from ggufspec.errors import GGUFSpecError
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time, in a small village by the sea, there lived"
 # Repacked Q4_0 kernels are other kernels than the plain ones, not the same sums reordered: on SmolLM2 Q4_0
@@ -96,3 +98,14 @@ def test_doctor_without_a_model_and_with_a_bad_one(tmp_path) -> None:
     bad.write_bytes(b"GGUF\x03\x00\x00\x00")
     r = CliRunner().invoke(main, ["doctor", "-m", str(bad)])
     assert r.exit_code == 2 and "error:" in r.output
+
+
+def test_an_amx_build_that_cannot_be_made_safe_is_refused_with_the_rebuild(monkeypatch) -> None:
+    """Where the CPU device's layouts cannot be reached (another llama.cpp build), an AMX build is refused before
+    any model loads, naming the cause and the CMAKE_ARGS to rebuild with."""
+    monkeypatch.setattr(cpu_backend, "_extra_bufts", lambda: (None, None))
+    monkeypatch.setattr(cpu_backend.llama_cpp, "llama_print_system_info", lambda: b"CPU : AVX512 = 1 | AMX_INT8 = 1 |")
+    with pytest.raises(GGUFSpecError, match="AMX.*CMAKE_ARGS=.*-DGGML_NATIVE=OFF"):
+        cpu_backend.prepare.__wrapped__()
+    monkeypatch.setattr(cpu_backend.llama_cpp, "llama_print_system_info", lambda: b"CPU : AVX2 = 1 |")
+    assert cpu_backend.prepare.__wrapped__().offered == ()  # no AMX: nothing to refuse

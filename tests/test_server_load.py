@@ -34,6 +34,8 @@ def call(port: int, kind: str, prompt: str) -> tuple[int, str | None]:
         r = conn.getresponse()
         if r.status != 200 or not b.get("stream"):
             out = json.loads(r.read())
+            if r.status == 429:
+                assert r.getheader("Retry-After") and out["error"]["type"] == "rate_limit_error", out
             if r.status != 200:
                 return r.status, json.dumps(out)
             choice = out["choices"][0]
