@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import sys
 from pathlib import Path
@@ -135,8 +136,7 @@ def generation_options(max_tokens: int | None, default_method: str):
 
 _GENERATION_KEYS = ("target", "draft", "preset", "method", "max_tokens", "temp", "top_k", "top_p", "min_p", "seed",
                     "draft_max", "draft_p_min", "medusa_path", "medusa_tree", "medusa_vocab", "typical", "stop")
-_MODEL_KEYS = ("n_ctx", "n_batch", "n_ubatch", "threads", "threads_batch", "n_gpu_layers", "no_mmap", "mlock", "no_repack",
-               "flash_attn", "kv_type", "verbose", "no_memory_check")
+_MODEL_KEYS = tuple(inspect.signature(decoder_options).parameters)
 
 
 def load_engine(params: dict, default_method: str | None = None, **settings_extra):
