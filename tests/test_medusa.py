@@ -22,7 +22,7 @@ from ggufspec.errors import GGUFSpecError, ModelFileError
 from ggufspec.medusa_heads import Heads, medusa_decoder_options
 from ggufspec.medusa_train import save_checkpoint
 from ggufspec.medusa_trees import TREES, TreeError, build_tree, fit_tree, load_tree, tree_accepted, walk
-from ggufspec.methods.medusa import medusa
+from ggufspec.methods.medusa import medusa, walk_typical
 from ggufspec.sampling import SamplingParams, pick
 
 H = TINY.n_embd
@@ -135,6 +135,30 @@ def test_typical_acceptance_runs_within_the_limit(tiny_target, trained_heads) ->
         got = engine.generate(PROMPTS[0], GenerationSettings(
             max_tokens=25, method="medusa", typical=True, sampling=SamplingParams(temperature=0.7), seed=1))
     assert 0 < len(got.tokens) <= 25
+
+
+def test_typical_acceptance_keeps_the_deepest_typical_path() -> None:
+    """Medusa's rule by hand: a node is typical when p(token) > min(0.09, 0.3 * exp(-entropy)) of its parent's
+    distribution, and the deepest path of typical nodes is kept."""
+    tree = build_tree([[0], [1], [0, 0]])  # nodes: 1 = rank 0, 2 = rank 1 (children of the root), 3 = child of 1
+    root = np.log([0.7, 0.2, 0.05, 0.05])  # entropy 0.871: threshold min(0.09, 0.126) = 0.09
+    flat = np.log([0.25, 0.25, 0.25, 0.25])  # entropy ln 4: threshold min(0.09, 0.075) = 0.075
+    peaked = np.log([0.9, 0.05, 0.03, 0.02])  # entropy 0.428: threshold 0.09
+    certain = np.array([50.0, 0.0, 0.0, 0.0])
+    rng, params = np.random.default_rng(0), SamplingParams(temperature=1.0)
+    # node 1 (token 1, p 0.2) and node 3 (token 0 after a flat row, p 0.25) are typical; node 2 (p 0.05) is not
+    tokens = np.array([0, 1, 2, 0])
+    assert walk_typical(tree, tokens, np.stack([root, flat, certain, certain]), params, rng) == ([0, 1, 3], 0)
+    # after a peaked row, token 3 (p 0.02 < 0.09) is not typical: the path stops at node 1, whose row picks next
+    tokens = np.array([0, 1, 2, 3])
+    assert walk_typical(tree, tokens, np.stack([root, np.log([0.02, 0.02, 0.02, 0.94]), certain, certain]),
+                        params, rng)[0] == [0, 1, 3]
+    assert walk_typical(tree, tokens, np.stack([root, peaked, certain, certain]), params, rng)[0] == [0, 1]
+    # p 0.12 after a row of entropy 0.516: over min(0.09, 0.3 * exp(-0.516) = 0.179), so typical (the smaller bound)
+    sure = np.log([0.85, 0.12, 0.02, 0.01])
+    assert walk_typical(tree, np.array([0, 1, 2, 0]), np.stack([sure, flat, certain, certain]), params, rng)[0] == [0, 1, 3]
+    # a root whose every candidate is atypical keeps nothing
+    assert walk_typical(tree, np.array([0, 3, 2, 0]), np.stack([root, flat, certain, certain]), params, rng)[0] == [0]
 
 
 def test_kv_after_accepted_paths_equals_linear_decoding(smollm2_path, demo_heads) -> None:

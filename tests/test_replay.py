@@ -36,9 +36,10 @@ def test_replayed_methods_match_real_runs(tiny_target, tiny_draft) -> None:
     vanilla = replay(traces, costs, "vanilla", 3, N)
     full = 2.5 + 3 * 0.25  # 3 drafts and a batch of 4; only a trace's last passes may draft fewer
     assert vanilla.passes * full - 2 * full < vanilla.seconds <= vanilla.passes * full
-    assert replay(traces, costs, "autoregressive", 3, N).tokens_per_s == 1.0
-    # each oracle step earns at least one plain step's tokens per second
-    assert replay(traces, costs, "oracle", 3, N).tokens_per_s >= 1.0
+    # the oracle picks each step's best source and length after the fact: no fixed policy may beat it
+    oracle = replay(traces, costs, "oracle", 3, N).tokens_per_s
+    for method in ("autoregressive", "vanilla", "lookup", "auto"):
+        assert oracle >= replay(traces, costs, method, 3, N).tokens_per_s - 1e-9, method
 
 
 def test_bench_replay_cli(tiny_target, tiny_draft, tmp_path) -> None:
