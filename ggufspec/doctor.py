@@ -11,7 +11,7 @@ import llama_cpp
 from gguf import GGMLQuantizationType
 
 from . import cpu_backend
-from .adaptive import costs_path, machine
+from .adaptive import costs_path, cpu_info
 from .decoder import DecoderOptions, LlamaCppDecoder
 
 
@@ -25,11 +25,10 @@ def _version(dist: str) -> str:
 def environment() -> list[str]:
     """Versions, CPU, llama.cpp's features and the CPU weight layouts in use."""
     backend = cpu_backend.prepare()
-    cpu = machine().split(" | ")
     lines = [
         f"ggufspec {_version('ggufspec')}, Python {platform.python_version()}, {platform.system()} {platform.machine()}",
         f"llama-cpp-python {llama_cpp.__version__}, gguf {_version('gguf')}, numpy {_version('numpy')}",
-        f"CPU: {cpu[2] if len(cpu) > 2 and cpu[2] else platform.processor() or 'unknown'}",
+        f"CPU: {cpu_info().get('model name') or platform.processor() or 'unknown'}",
         f"llama.cpp system info: {llama_cpp.llama_print_system_info().decode(errors='replace').strip()}",
         f"GPU offload: {'available' if llama_cpp.llama_supports_gpu_offload() else 'not in this build (CPU only)'}",
         f"CPU weight layouts offered: {', '.join(backend.offered) or 'none'}; in use: {', '.join(backend.in_use) or 'plain only'}",

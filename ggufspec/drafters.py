@@ -86,10 +86,11 @@ class ModelDrafter:
         rest = [z.copy() for z in dists]  # what is left at each depth to propose
         for d, x in enumerate(chain):
             rest[d][x] = 0.0
+        best = [float(r.max()) for r in rest]
         nodes: list[tuple[int, int, np.ndarray | None]] = []  # runner-ups: (depth, token, q drawn from)
         for _ in range(room):
-            d = max(range(len(chain)), key=lambda d: reach[d] * rest[d].max())
-            if rest[d].max() <= 0:  # sampling with top-k/top-p: nothing left that the draft would propose
+            d = max(range(len(chain)), key=lambda d: reach[d] * best[d])
+            if best[d] <= 0:  # sampling with top-k/top-p: nothing left that the draft would propose
                 break
             if params.greedy:
                 nodes.append((d, int(rest[d].argmax()), None))
@@ -97,6 +98,7 @@ class ModelDrafter:
                 q = rest[d] / rest[d].sum()
                 nodes.append((d, sample(q, rng), q))
             rest[d][nodes[-1][1]] = 0.0
+            best[d] = float(rest[d].max())
         if not nodes:
             return Draft(chain, None if params.greedy else np.stack(dists))
         # the chain first: when it is kept, the target's cache needs no repair (see commit_tree_path)

@@ -233,6 +233,7 @@ class SpeculativeEngine:
         drafting = self._drafting(method, draft, s) if method not in ("autoregressive", "medusa") else None
         t0 = time.perf_counter()
         decoded_before, base_t, base_d = target.n_decoded_tokens, 0.0, 0.0
+        finished = False
         try:
             # The last prompt token is decoded by the first step, so every position is decoded once. `auto`
             # prefills the draft only where it expects to draft with it; elsewhere the draft catches up when
@@ -275,9 +276,10 @@ class SpeculativeEngine:
                     break
             tail = text.flush()
             self._finish(stats, out, text, reason, t0, base_t, base_d, draft)
+            finished = True
             yield GenerationResponse(tail, None, False, stats, reason, self.last_result)
         finally:
-            if self.last_result is None or self.last_result.stats is not stats:  # stopped early by the caller
+            if not finished:  # stopped early: by the caller, Ctrl-C or an error
                 self._finish(stats, out, text, "interrupted", t0, base_t, base_d, draft)
 
     def _finish(self, stats: Stats, out: list[int], text: TextStream, reason: StopReason, t0: float, base_t: float,

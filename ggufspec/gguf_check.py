@@ -82,10 +82,10 @@ class _Cursor:
             if item in _SCALARS:
                 self.take(count * struct.calcsize(_SCALARS[item]))
             elif item == _STRING:
-                seen: set[bytes] = set()
+                seen: set[bytes] | None = set() if unique else None
                 for _ in range(count):
                     s = self.take(self.scalar("Q"))
-                    if unique:
+                    if seen is not None:
                         if s in seen:
                             raise ModelFileError(f"{self.path}: damaged vocabulary: token {s[:40]!r} is listed twice. "
                                                  "Download or convert the model again.")

@@ -318,9 +318,12 @@ def create_app(engine: SpeculativeEngine, settings: GenerationSettings, model_id
                         seed=d.seed if body.seed is None else body.seed, stop=tuple(stops),
                         method=spec.method or d.method, draft_max=spec.draft_max or d.draft_max,
                         draft_p_min=d.draft_p_min if spec.draft_p_min is None else spec.draft_p_min)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        try:
             engine.method_for(s)
-        except (ValueError, GGUFSpecError) as e:
-            raise APIError(400, str(e), param="speculative" if "method" in str(e) else None) from None
+        except GGUFSpecError as e:
+            raise APIError(400, str(e), param="speculative") from None
         return s
 
     async def start(prompt: Prompt, s: GenerationSettings) -> tuple[Job, int]:

@@ -37,15 +37,16 @@ class Conversation:
     def messages(self) -> list[Message]:
         return ([{"role": "system", "content": self.system}] if self.system else []) + self.turns
 
-    def fit(self, engine: SpeculativeEngine, room: int) -> int:
-        """Drop the oldest user/assistant pairs until the prompt leaves `room` tokens in the context; how many
-        turns were dropped (the last user message always stays)."""
-        n_ctx = engine.n_ctx
+    def fit(self, engine: SpeculativeEngine, room: int) -> tuple[list[int], int]:
+        """The prompt's tokens once the oldest user/assistant pairs are dropped until it leaves `room` tokens in the
+        context, and how many turns were dropped (the last user message always stays)."""
         dropped = 0
-        while len(self.turns) > 1 and len(engine.encode(self.messages)) + room > n_ctx:
+        tokens = engine.encode(self.messages)
+        while len(self.turns) > 1 and len(tokens) + room > engine.n_ctx:
             del self.turns[:2]
             dropped += 2
-        return dropped
+            tokens = engine.encode(self.messages)
+        return tokens, dropped
 
 
 def run_chat(engine: SpeculativeEngine, settings: GenerationSettings, system: str | None, colour: bool,
@@ -87,10 +88,10 @@ def run_chat(engine: SpeculativeEngine, settings: GenerationSettings, system: st
                 print(f"unknown command {command}; {help_line}", file=err)
             continue
         conv.turns.append({"role": "user", "content": line})
-        dropped = conv.fit(engine, room)
+        prompt, dropped = conv.fit(engine, room)
         if dropped:
             print(f"(context full: dropped the oldest {dropped} messages)", file=err)
-        last = _answer(engine, conv.messages, settings, colour, out)
+        last = _answer(engine, prompt, settings, colour, out)
         conv.turns.append({"role": "assistant", "content": last.text})
         if last.stop_reason == "interrupted":
             print("(stopped)", file=err)
@@ -100,12 +101,12 @@ def run_chat(engine: SpeculativeEngine, settings: GenerationSettings, system: st
             print(last.stats.line(), file=err)
 
 
-def _answer(engine: SpeculativeEngine, messages: list[Message], settings: GenerationSettings, colour: bool,
+def _answer(engine: SpeculativeEngine, prompt: list[int], settings: GenerationSettings, colour: bool,
             out: TextIO) -> GenerationResult:
     """Stream one reply; Ctrl-C ends it early (the text so far is kept)."""
     before = engine.last_result
     try:
-        for r in engine.stream(messages, settings):
+        for r in engine.stream(prompt, settings):
             if r.text:
                 out.write(f"{DRAFT_COLOUR}{r.text}{RESET}" if colour and r.from_draft else r.text)
                 out.flush()

@@ -280,6 +280,6 @@ def _read_medusa(path: Path) -> MedusaHeads:
             if w.shape != (hidden, hidden) or b.shape != (hidden,):
                 raise ModelFileError(f"{path}: head {i} layer {j} has shapes {list(w.shape)} and {list(b.shape)}, "
                                      f"not [{hidden}, {hidden}] and [{hidden}]")
-    if lm is not None and len({m.shape for m in lm}) > 1 or lm and lm[0].shape[1:] != (hidden,):
+    if lm and any(m.shape != (lm[0].shape[0], hidden) for m in lm):
         raise ModelFileError(f"{path}: its output heads differ in shape: {[list(m.shape) for m in lm]}")
     return MedusaHeads(version, hidden, int(get(KEY_VOCAB_SIZE)), str(get(KEY_BASE_MODEL, "")), res, lm, choices)
