@@ -25,7 +25,7 @@ PROMPTS = [
 
 # llama.cpp computes a k-token batch with other CPU kernels than one token: logits differ by
 # ~1e-5 on f32 models and up to ~0.1 on quantized ones at these short contexts (more past 256
-# cached tokens: see the README), so an argmax may flip where the target's top two logits are
+# cached tokens: see docs/exactness.md), so an argmax may flip where the target's top two logits are
 # that close. A divergence anywhere else is a bug.
 NEAR_TIE = {"f32": 1e-3, "quantized": 0.25}
 # SmolLM2 runs on the default q8_0 cache, where a batch and single tokens give the same logits bit for bit
