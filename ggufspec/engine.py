@@ -13,7 +13,7 @@ from typing import Literal
 import numpy as np
 
 from .adaptive import AutoDrafter, CostModel, FixedLength, cached_measure
-from .chat import Message, render_chat
+from .chat import Message, chat_tokens
 from .decoder import DecoderOptions, LlamaCppDecoder
 from .drafters import LookupDrafter, ModelDrafter
 from .errors import ContextLengthError, GGUFSpecError
@@ -168,10 +168,7 @@ class SpeculativeEngine:
             return vocab.tokenize(prompt, add_special=True, parse_special=True)
         if not prompt:
             raise GGUFSpecError("no chat messages given.")
-        bos = vocab.piece(vocab.bos, special=True).decode("utf-8", "replace") if vocab.bos >= 0 else ""
-        eos = vocab.piece(vocab.eos, special=True).decode("utf-8", "replace") if vocab.eos >= 0 else ""
-        text = render_chat(self.target.metadata("tokenizer.chat_template"), prompt, bos, eos)
-        return vocab.tokenize(text, add_special=not (bos and text.startswith(bos)), parse_special=True)
+        return chat_tokens(vocab, self.target.metadata("tokenizer.chat_template"), prompt)
 
     # --- generation -----------------------------------------------------------------------
 

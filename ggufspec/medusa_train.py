@@ -17,7 +17,7 @@ from typing import Callable, Iterable
 import llama_cpp
 import numpy as np
 
-from .chat import render_chat
+from .chat import chat_tokens as _chat_tokens
 from .decoder import DecoderOptions, LlamaCppDecoder
 from .errors import GGUFSpecError
 from .llama_batch import Batch
@@ -75,10 +75,8 @@ def read_prompts(path: Path) -> list[str]:
 
 
 def chat_tokens(target: LlamaCppDecoder, prompt: str) -> list[int]:
-    """The prompt wrapped in the target's chat template, tokenized."""
-    vocab = target.vocab
-    text = render_chat(target.metadata("tokenizer.chat_template"), [{"role": "user", "content": prompt}])
-    return vocab.tokenize(text, add_special=False, parse_special=True)
+    """The prompt as one user message, tokenized exactly as the engine does at inference (BOS included)."""
+    return _chat_tokens(target.vocab, target.metadata("tokenizer.chat_template"), [{"role": "user", "content": prompt}])
 
 
 def collect_generations(
