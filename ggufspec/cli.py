@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from .errors import GGUFSpecError
-from .methods import METHODS
+from .methods import METHODS, get_method, methods_help
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
@@ -82,9 +82,6 @@ def decoder_options(n_ctx, n_batch, n_ubatch, threads, threads_batch, n_gpu_laye
         raise click.UsageError(str(e)) from None
 
 
-_METHOD_HELP = ("autoregressive | vanilla (draft model) | lookup (n-grams of the text so far) | auto (lookup, then the "
-                "draft; length from a measured cost model; off when it cannot pay) | medusa (--medusa heads propose a "
-                "token tree, verified in one target pass).")
 
 
 def generation_options(max_tokens: int | None, default_method: str):
@@ -98,8 +95,8 @@ def generation_options(max_tokens: int | None, default_method: str):
                          help="Draft GGUF (same vocabulary)."),
             click.option("--preset", default=None,
                          help="A named pair from `ggufspec models`, fetched from the hub when needed."),
-            click.option("--method", type=click.Choice(METHODS), default=None,
-                         help=f"{_METHOD_HELP} Default: {default_method}."),
+            click.option("--method", type=click.Choice(list(METHODS)), default=None,
+                         help=f"{methods_help()}. Default: {default_method}."),
             click.option("-n", "--max-tokens", type=click.IntRange(min=1), default=max_tokens,
                          show_default=max_tokens is not None,
                          help=None if max_tokens else "Most tokens per answer (default: up to the end of the context)."),
@@ -155,10 +152,8 @@ def load_engine(params: dict, default_method: str | None = None, **settings_extr
         raise click.UsageError("give either --preset NAME or -m TARGET.gguf, not both.")
     if method is None and medusa_path is None:
         method = default_method
-    if method == "vanilla" and draft is None:
-        raise click.UsageError("--method vanilla needs a draft model: -d DRAFT.gguf")
-    if method == "medusa" and medusa_path is None:
-        raise click.UsageError("--method medusa needs heads: --medusa HEADS.gguf")
+    if method is not None:
+        _check_method(method, draft, medusa_path)
     medusa_vocab = g["medusa_vocab"]
     if medusa_vocab is not None and medusa_path is None:
         raise click.UsageError("--medusa-vocab restricts Medusa heads: give them with --medusa HEADS.gguf (or a Medusa --preset)")
@@ -261,6 +256,13 @@ def serve(host, port, api_key, queue, alias, **params) -> None:
                    lambda line: click.echo(line, err=True))
 
 
+def _check_method(method: str, draft: str | None, medusa_path: str | None) -> None:
+    try:
+        get_method(method, draft is not None, medusa_path is not None)
+    except GGUFSpecError as e:
+        raise click.UsageError(str(e)) from None
+
+
 def _from_preset(name: str, draft: str | None, medusa: str | None, method: str | None, draft_max: int
                  ) -> tuple[str, str | None, str | None, str, int]:
     """Target, draft, heads, method and draft length of a preset (fetched as needed); what the user gave wins."""
@@ -273,9 +275,10 @@ def _from_preset(name: str, draft: str | None, medusa: str | None, method: str |
     if click.get_current_context().get_parameter_source("draft_max") == click.core.ParameterSource.DEFAULT:
         draft_max = p.draft_max
     method = method or p.method
-    if draft is None and method in ("vanilla", "auto") and r.draft is not None:
+    m = METHODS[method]
+    if draft is None and m.uses_draft and r.draft is not None:
         draft = str(r.draft)
-    if medusa is None and method == "medusa" and r.medusa is not None:
+    if medusa is None and m.needs_heads and r.medusa is not None:
         medusa = str(r.medusa)
     return str(r.target), draft, medusa, method, draft_max
 
@@ -303,7 +306,7 @@ def _finish(result, show_stats: bool, as_json: bool) -> None:
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="Use the first N prompts.")
 @click.option("--per-category", type=click.IntRange(min=1), default=None,
               help="Use the first N prompts of each category (before --limit).")
-@click.option("--method", "methods", multiple=True, type=click.Choice(METHODS),
+@click.option("--method", "methods", multiple=True, type=click.Choice(list(METHODS)),
               help="Methods to compare (repeatable; default: autoregressive and, with a draft, vanilla).")
 @click.option("--temp", "temps", multiple=True, type=click.FloatRange(min=0), help="Temperatures (repeatable; default 0).")
 @click.option("-n", "--max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
@@ -335,10 +338,8 @@ def bench(target, draft, prompt_file, limit, per_category, methods, temps, max_t
             raise click.UsageError("--replay needs a draft model: -d DRAFT.gguf")
         return _replay(target, draft, load_prompts(prompt_file, limit, per_category), max_tokens, draft_max, model_opts)
     methods = methods or (("autoregressive", "vanilla") if draft else ("autoregressive",))
-    if "vanilla" in methods and draft is None:
-        raise click.UsageError("--method vanilla needs a draft model: -d DRAFT.gguf")
-    if "medusa" in methods and medusa_path is None:
-        raise click.UsageError("--method medusa needs heads: --medusa HEADS.gguf")
+    for method in methods:
+        _check_method(method, draft, medusa_path)
     if plot_prefix:
         from .plots import pyplot
 
@@ -368,7 +369,7 @@ def bench(target, draft, prompt_file, limit, per_category, methods, temps, max_t
 
 
 def _replay(target, draft, prompts, max_tokens: int, draft_max: int, model_opts: dict) -> None:
-    from .adaptive import measure
+    from .costs import measure
     from .engine import SpeculativeEngine
     from .replay import record, replay_table
 

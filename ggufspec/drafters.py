@@ -1,8 +1,9 @@
-"""Where draft tokens come from: a draft model, or n-gram lookup in the text so far (`auto` uses both).
+"""Where draft tokens come from: a draft model, n-gram lookup in the text so far, or `auto`, which picks
+between them (and plain steps) with the measured cost model.
 
 A drafter returns up to k tokens after `context`: a chain or a token tree and, when sampling, the
 distribution q each was drawn from (one-hot rows for deterministic proposals, which keeps rejection
-sampling exact).
+sampling exact); then it observes how many the target kept.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
-from .decoder import Decoder
+from .costs import CostModel, ContextCosts
+from .decoder import Decoder, LlamaCppDecoder, common_prefix
 from .medusa_trees import Tree, build_tree
 from .sampling import SamplingParams, probabilities, sample, softmax
 
@@ -31,9 +33,23 @@ class Draft(NamedTuple):
     tree: Tree | None = None
 
 
+def prefill(d: Decoder, context: list[int]) -> None:
+    """Decode `context` into d's cache, reusing its common prefix (an empty context empties it)."""
+    if context:
+        d.sync(context)
+    else:
+        d.rollback_to(0)
+
+
 class Drafter(Protocol):
+    def prefill(self, context: list[int]) -> None:
+        """Before generating: decode the prompt where drafting will need it (a draft model's cache)."""
+
     def propose(self, context: list[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Draft:
-        """Up to k tokens after `context`."""
+        """Up to k tokens after `context` (none when k is 0)."""
+
+    def observe(self, drafted: int, kept: int) -> None:
+        """What the target did with the last proposal: `kept` of its `drafted` tokens."""
 
 
 class ModelDrafter:
@@ -43,10 +59,20 @@ class ModelDrafter:
     else chains.
     """
 
+    reach_min = REACH_MIN
+
     def __init__(self, draft: Decoder, n_vocab: int, p_min: float = 0.0, tree_leaves: int = 0) -> None:
         self.draft, self.n_vocab, self.p_min, self.tree_leaves = draft, n_vocab, p_min, tree_leaves
 
+    def prefill(self, context: list[int]) -> None:
+        prefill(self.draft, context)
+
+    def observe(self, drafted: int, kept: int) -> None:
+        pass
+
     def propose(self, context, k, params, rng):
+        if k <= 0:
+            return Draft([])
         if self.tree_leaves > 1 and k > 1:
             return self._tree(context, k, params, rng)
         logits = self.draft.sync(context, view=True)[-1, : self.n_vocab]
@@ -65,7 +91,7 @@ class ModelDrafter:
 
     def _tree(self, context: list[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Draft:
         """k nodes: the draft's chain (its best guesses when greedy, draws from its q when sampling) while the draft
-        gives the whole chain at least REACH_MIN, then runner-ups where the draft expects them to pay most (chance
+        gives the whole chain at least reach_min, then runner-ups where the draft expects them to pay most (chance
         of the chain before them x their probability): the next-best guesses, or when sampling, further draws
         from the same q without replacement, each with the q it was drawn from (see medusa_trees.walk)."""
         chain: list[int] = []
@@ -77,7 +103,7 @@ class ModelDrafter:
             chain.append(int(z.argmax()) if params.greedy else sample(z, rng))
             dists.append(z)
             reach.append(reach[-1] * float(z[chain[-1]]))
-            if len(chain) == k or reach[-1] < REACH_MIN or z.max() < self.p_min:
+            if len(chain) == k or reach[-1] < self.reach_min or z.max() < self.p_min:
                 break
             logits = self.draft.feed([chain[-1]], view=True)[-1, : self.n_vocab]
         room = min(k - len(chain), self.tree_leaves - 1)  # every runner-up is a leaf, as is the chain's end
@@ -131,13 +157,194 @@ class LookupDrafter:
                 return ctx[start : start + k].tolist()
         return []
 
+    def prefill(self, context: list[int]) -> None:
+        pass
+
+    def observe(self, drafted: int, kept: int) -> None:
+        pass
+
     def propose(self, context, k, params, rng):
-        tokens = self.find(context, k)
+        tokens = self.find(context, k) if k > 0 else []
         if params.greedy or not tokens:
             return Draft(tokens)
         q = np.zeros((len(tokens), self.n_vocab))
         q[np.arange(len(tokens)), tokens] = 1.0
         return Draft(tokens, q)
+
+
+PROBE_EVERY = 16  # plain steps before the first probe while speculation is off; doubled after each failed one
+PROBE_EVERY_MAX = 128
+OPTIMISTIC = 0.9  # probes are made only if drafts kept this often would beat plain decoding
+# by this factor: a probe costs a bigger batch and the draft catching up on every token since its last
+# use (measured on an AVX-512 machine here: probes at a 12% optimistic gain made `auto` 8% slower)
+PROBE_GAIN = 1.2
+MIN_GAIN = 1.05  # drafting only when expected to beat plain decoding by this factor
+
+
+class AdaptiveLength:
+    """Pick k each step to maximise expected tokens per second, drafting only for a gain of at least
+    MIN_GAIN; k = 0 turns speculation off.
+
+    Acceptance is a running average per draft position (a draft that got its first token right
+    tends to get the next one right too), carried from one generation to the next but pulled
+    halfway back to the prior at each start, so every prompt gets a fair try. While off, a probe
+    at the best non-zero length keeps the estimates alive: after PROBE_EVERY plain steps, twice
+    as long after each probe that did not pay for itself. A probe costs a bigger batch and a draft
+    catching up, so none is made when even good drafts would gain little (on CPUs where a batch of
+    4 costs ~2.6 decodes, as on the AVX2-only machines here, the best case is a few percent).
+    """
+
+    def __init__(self, costs: CostModel, k_max: int, prior: float = 0.7, memory: float = 0.95,
+                 target: LlamaCppDecoder | None = None, draft: LlamaCppDecoder | None = None,
+                 free: bool = False) -> None:
+        self.costs, self.k_max, self.memory, self.prior, self.free = costs, k_max, memory, prior, free
+        self.acceptance = [prior] * k_max
+        self._off_steps, self.probe_every, self._probing = 0, PROBE_EVERY, False
+        self._clocks = (target, draft)  # their decode counters time each step for costs.observe
+        self._start = (0.0, 0, 0.0, 0, 0)
+
+    def restart(self) -> AdaptiveLength:
+        """Ready for the next generation: keep what was learned, acceptance halfway back to the prior."""
+        self.acceptance = [(a + self.prior) / 2 for a in self.acceptance]
+        return self
+
+    def _read_clocks(self) -> tuple[float, int, float, int, int]:
+        """Target seconds and tokens decoded; draft seconds, decodes and tokens."""
+        target, draft = self._clocks
+        t = (target.decode_seconds, target.n_decoded_tokens) if target else (0.0, 0)
+        if draft is None:
+            return *t, 0.0, 0, 0
+        return *t, draft.decode_seconds, draft.n_decodes, draft.n_decoded_tokens
+
+    def planned(self) -> int:
+        """The length choose() would pick now, probes aside; no side effects."""
+        k = self.costs.best_k(self.acceptance, self.k_max, free=self.free)
+        rate = self.costs.expected_rate
+        if k and rate(k, self.acceptance, self.free) < MIN_GAIN * rate(0, 0):
+            k = 0  # at break-even the estimate's noise decides, and a wrong guess costs more than it earns
+        return k
+
+    def choose(self) -> int:
+        self._start = self._read_clocks()
+        k = self.planned()
+        self._probing = False
+        if k == 0:
+            self._off_steps += 1
+            if self._off_steps >= self.probe_every and self._worth_probing():
+                self._off_steps, self._probing = 0, True
+                return self.costs.best_k(self.acceptance, self.k_max, k_min=1, free=self.free)
+        return k
+
+    def _worth_probing(self) -> bool:
+        k = self.costs.best_k(OPTIMISTIC, self.k_max, free=self.free)
+        rate = self.costs.expected_rate
+        return k > 0 and rate(k, OPTIMISTIC, self.free) >= PROBE_GAIN * rate(0, 0)
+
+    def update(self, drafted: int, accepted: int) -> None:
+        # tokens after the first rejection were never judged: they say nothing about acceptance
+        for i in range(min(drafted, accepted + 1, self.k_max)):
+            self.acceptance[i] = self.memory * self.acceptance[i] + (1 - self.memory) * (i < accepted)
+        c = self.costs
+        spent = c.step_seconds(drafted, self.free)
+        if self._clocks[0] is not None:
+            (t0, b0, d0, n0, k0), (t1, b1, d1, n1, k1) = self._start, self._read_clocks()
+            spent = (t1 - t0) + (d1 - d0)  # what the step really cost, the draft's catching up included
+            # a draft catching up on many tokens in one batch says little about one draft step
+            steps = n1 - n0 if k1 - k0 <= n1 - n0 + 1 else 0
+            # the batch the target decoded: deferred tokens (see commit_tree_path) may ride in front of the drafts
+            c.observe(b1 - b0 or drafted + 1, t1 - t0, steps, d1 - d0)
+        if self._probing:  # back off unless the probe itself beat plain steps
+            paid = (accepted + 1) * c.verify[0] >= spent
+            self.probe_every = PROBE_EVERY if paid else min(2 * self.probe_every, PROBE_EVERY_MAX)
+
+
+class AutoDrafter:
+    """`auto`: prompt lookup when the text repeats itself and verifying its guess pays, else the draft
+    model when drafting pays, else a plain step.
+
+    Each source keeps its own acceptance, and lookup's guesses cost no draft decodes, so lookup can
+    pay on a machine where the draft model cannot.
+    """
+
+    def __init__(self, lookup: LookupDrafter, model: ModelDrafter | None, costs: CostModel, k_max: int,
+                 target: LlamaCppDecoder | None = None, draft: LlamaCppDecoder | None = None) -> None:
+        self.lookup, self.model, self.k_max = lookup, model, k_max
+        self.context_costs = ContextCosts(costs)
+        self.lookup_length = AdaptiveLength(costs, k_max, free=True, target=target)
+        self.model_length = AdaptiveLength(costs, k_max, target=target, draft=draft) if model is not None else None
+        self.draft = draft
+        self.source: AdaptiveLength | None = None  # whose proposal the target is judging
+
+    @property
+    def costs(self) -> CostModel:
+        """The cost model measured at start-up (short context)."""
+        return self.context_costs.base
+
+    def price_at(self, n_ctx: int) -> None:
+        """Price the next steps at the costs learned for a context of n_ctx tokens."""
+        for length in (self.lookup_length, self.model_length):
+            if length is not None:
+                length.costs = self.context_costs.at(n_ctx)
+
+    def restart(self) -> AutoDrafter:
+        for length in (self.lookup_length, self.model_length):
+            if length is not None:
+                length.restart()
+        return self
+
+    def prefill(self, context: list[int]) -> None:
+        """The draft model decodes the prompt only where it is expected to draft (often never on CPUs)."""
+        if self.model is not None and self.uses_model(len(context) + 1):
+            self.model.prefill(context)
+
+    def uses_model(self, n_ctx: int | None = None) -> bool:
+        """Whether the draft model drafts at this point, or after n_ctx tokens of context (probes aside)."""
+        if n_ctx is not None:
+            self.price_at(n_ctx)
+        return self.model_length is not None and self.model_length.planned() > 0
+
+    def propose(self, context, k, params, rng):
+        self.source = None
+        if k <= 0:
+            return Draft([])
+        self.price_at(len(context))
+        self.source = self.lookup_length
+        n = min(self.lookup_length.choose(), k)
+        if n:  # searched only when its guess would be verified: on a fast target the search shows
+            draft = self.lookup.propose(context, n, params, rng)
+            if draft.tokens and not self._model_beats_lookup(len(draft.tokens)):
+                return draft
+        if self.model_length is not None and self._catch_up_pays(context):
+            self.source = self.model_length
+            n = min(self.model_length.choose(), k)
+            if n:
+                return self.model.propose(context, n, params, rng)
+        return Draft([])
+
+    def _catch_up_pays(self, context: list[int]) -> bool:
+        """The draft model is not started where catching up on the context it has not seen would cost more
+        than the plain steps between two probes (charged at a draft step a token, an upper bound): after a long
+        prompt it was not prefilled for, the catch-up took 2.3-3.3 s here, more than 64 tokens can win back."""
+        if self.draft is None:
+            return True
+        m = self.model_length
+        unseen = len(context) - common_prefix(self.draft.history, context)
+        return unseen * m.costs.draft <= m.probe_every * m.costs.verify[0]
+
+    def _model_beats_lookup(self, n: int) -> bool:
+        """While the draft model drafts, lookup is not free: the draft must still decode every token a lookup
+        step commits before it drafts again. Charged here at a draft step per token (a catch-up batch costs
+        a little less), lookup's guess is verified only if it still beats the model's own proposal."""
+        if not self.uses_model():
+            return False
+        costs, model = self.costs, self.model_length
+        tokens = costs.expected_tokens(n, self.lookup_length.acceptance)
+        lookup_rate = tokens / (costs.step_seconds(n, free=True) + tokens * costs.draft)
+        return costs.expected_rate(model.planned(), model.acceptance) > lookup_rate
+
+    def observe(self, drafted: int, kept: int) -> None:
+        if self.source is not None:  # the last policy asked: it also times plain steps
+            self.source.update(drafted, kept)
 
 
 @functools.lru_cache(maxsize=256)

@@ -6,31 +6,28 @@ import os
 import threading
 import time
 from pathlib import Path
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import closing
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import numpy as np
 
-from .adaptive import AutoDrafter, CostModel, FixedLength, cached_measure
 from .chat import Message, chat_tokens
+from .costs import CostModel, cached_measure
 from .decoder import DecoderOptions, LlamaCppDecoder
-from .drafters import LookupDrafter, ModelDrafter
+from .drafters import AutoDrafter, LookupDrafter, ModelDrafter, prefill
 from .errors import ContextLengthError, GGUFSpecError
 from .gguf_check import read_header
 from .memory import check_memory
-from .methods import METHODS, Step
+from .methods import METHODS, Method, Run, Step, get_method
 from .medusa_heads import Heads, medusa_decoder_options, special_ids
 from .medusa_trees import build_tree, load_tree
-from .methods.autoregressive import autoregressive
-from .methods.medusa import medusa
-from .methods.speculative import speculative
 from .pairing import check_pair
 from .sampling import SamplingParams
 from .stats import Stats
 from .textstream import TextStream
 
-Method = Literal["autoregressive", "vanilla", "lookup", "auto", "medusa"]
 StopReason = Literal["stop", "max_tokens", "length", "interrupted"]
 DRAFT_TREE_SEQUENCES = 8  # a target paired with a draft holds `auto`'s greedy draft trees of up to 7 leaves
 
@@ -41,7 +38,7 @@ class GenerationSettings:
 
     max_tokens: int = 256
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    method: Method | None = None
+    method: str | None = None  # a name in methods.METHODS
     draft_max: int = 4
     draft_p_min: float = 0.0
     seed: int | None = None
@@ -95,7 +92,7 @@ class SpeculativeEngine:
 
     def __init__(
         self, target: LlamaCppDecoder, draft: LlamaCppDecoder | None = None,
-        settings: GenerationSettings | None = None,
+        settings: GenerationSettings | None = None, costs: CostModel | None = None,
     ) -> None:
         self.target = target
         self.draft = draft
@@ -104,8 +101,8 @@ class SpeculativeEngine:
             check_pair(target, draft)
         self.last_result: GenerationResult | None = None
         self.medusa: Heads | None = None  # set by load(medusa_path=...)
-        self._costs: CostModel | None = None
-        self._policies: dict[bool, AutoDrafter] = {}  # auto's, kept across generations: what they learned
+        self.costs = costs  # the cost model `auto` prices steps with: measured at its first run when None
+        self._auto: dict[bool, AutoDrafter] = {}  # with and without a draft model, kept across generations
         self._lock = threading.Lock()
         self._closed = False
 
@@ -115,6 +112,7 @@ class SpeculativeEngine:
         options: DecoderOptions | None = None, settings: GenerationSettings | None = None,
         medusa_path: str | os.PathLike | None = None,
         medusa_vocab: int | str | os.PathLike | None = None,  # Medusa candidates: the N lowest ids or a file of ids
+        costs: CostModel | None = None,
     ) -> SpeculativeEngine:
         """Open the GGUF files (checked first, and their RAM needs together) and pair them; Medusa heads if given."""
         options = options or DecoderOptions()
@@ -132,7 +130,7 @@ class SpeculativeEngine:
         try:
             if draft_path is not None:
                 draft = LlamaCppDecoder(draft_path, options)
-            engine = cls(target, draft, settings)
+            engine = cls(target, draft, settings, costs)
             if medusa_path is not None:
                 engine.medusa = Heads.load(medusa_path, target.path, target.n_embd, target.n_vocab,
                                            medusa_vocab, special_ids(target.vocab) if medusa_vocab is not None else ())
@@ -190,26 +188,52 @@ class SpeculativeEngine:
         finally:
             self._lock.release()
 
-    def method_for(self, s: GenerationSettings) -> str:
+    def method_for(self, s: GenerationSettings) -> Method:
         """The method `s` runs on this engine; GGUFSpecError when it needs a model this engine lacks."""
-        method = s.method or ("vanilla" if self.draft is not None else "medusa" if self.medusa else "autoregressive")
-        if method == "vanilla" and self.draft is None:
-            raise GGUFSpecError("method 'vanilla' needs a draft model (-d DRAFT.gguf).")
-        if method == "medusa" and self.medusa is None:
-            raise GGUFSpecError("method 'medusa' needs Medusa heads (--medusa HEADS.gguf).")
-        return method
+        name = s.method or ("vanilla" if self.draft is not None else "medusa" if self.medusa else "autoregressive")
+        return get_method(name, self.draft is not None, self.medusa is not None)
 
     def _run(self, prompt: Prompt, s: GenerationSettings) -> Iterator[GenerationResponse]:
-        target, draft = self.target, self.draft
         method = self.method_for(s)
-        tree = None
-        if method == "medusa":  # the heads' own fitted tree unless another is asked for
-            own = self.medusa.choices if s.medusa_tree is None else None
-            tree = build_tree(own) if own else load_tree(s.medusa_tree)
-        if method not in ("vanilla", "auto"):
-            draft = None  # this method does not use it: leave its context as it is
-        n_ctx = min(target.n_ctx, draft.n_ctx) if draft is not None else target.n_ctx
-        tokens = self.encode(prompt)
+        draft = self.draft if method.uses_draft else None  # other methods leave its context as it is
+        tokens, limit = self._fit(self.encode(prompt), s, draft)
+        run = self._prepare(method, s, tokens[-1], limit, draft)  # before the prefill: see auto_drafter
+        meter = _Meter(self.target, draft, Stats(prompt_tokens=len(tokens), method=method.name))
+        out: list[int] = []
+        text = TextStream(s.stop)
+        reason: StopReason = "interrupted"
+        finished = False
+        try:
+            # The last prompt token is decoded by the first step, so every position is decoded once.
+            prefill(self.target, tokens[:-1])
+            if run.drafter is not None:
+                run.drafter.prefill(tokens[:-1])
+            meter.prefilled()
+            reason = "length" if limit < s.max_tokens else "max_tokens"
+            stop_ids = set(s.stop_tokens)
+            is_stop = lambda tok: self.target.vocab.is_eog(tok) or tok in stop_ids  # noqa: E731
+            with closing(_committed(method.steps(run), meter.stats, is_stop)) as committed:
+                for tok, from_draft in committed:
+                    if tok is None:
+                        reason = "stop"
+                        break
+                    out.append(tok)
+                    meter.stats.generated_tokens = len(out)
+                    yield GenerationResponse(text.push(self.target.vocab.piece(tok)), tok, from_draft, meter.stats)
+                    if text.stopped:
+                        reason = "stop"
+                        break
+            tail = text.flush()
+            self.last_result = GenerationResult(text.text, out, reason, meter.finish(len(out)))
+            finished = True
+            yield GenerationResponse(tail, None, False, meter.stats, reason, self.last_result)
+        finally:
+            if not finished:  # stopped early: by the caller, Ctrl-C or an error
+                self.last_result = GenerationResult(text.text, out, "interrupted", meter.finish(len(out)))
+
+    def _fit(self, tokens: list[int], s: GenerationSettings, draft: LlamaCppDecoder | None) -> tuple[list[int], int]:
+        """The prompt cut to the context (when allowed) and the most tokens to generate after it."""
+        n_ctx = min(self.target.n_ctx, draft.n_ctx) if draft is not None else self.target.n_ctx
         if len(tokens) >= n_ctx:
             if not s.truncate_prompt:
                 raise ContextLengthError(
@@ -217,95 +241,34 @@ class SpeculativeEngine:
                     "raise --n-ctx, shorten the prompt, or allow --truncate-prompt."
                 )
             tokens = tokens[len(tokens) - (n_ctx - min(s.max_tokens, n_ctx // 2)):]
-        stats = Stats(prompt_tokens=len(tokens), method=method)
-        limit = s.max_tokens if s.context_shift else min(s.max_tokens, n_ctx - len(tokens))
-        for d in (target, draft) if draft is not None else (target,):
+        for d in (self.target, draft) if draft is not None else (self.target,):
             d.shift_keep = min(len(tokens), n_ctx // 4) if s.context_shift else None
-        rng = np.random.default_rng(s.seed)
-        stop_ids = set(s.stop_tokens)
-        out: list[int] = []
-        text = TextStream(s.stop)
-        reason: StopReason = "interrupted"
-        # before the prefill: measuring the cost model (first `auto` run only) resets the contexts
-        drafting = self._drafting(method, draft, s) if method not in ("autoregressive", "medusa") else None
-        t0 = time.perf_counter()
-        decoded_before, base_t, base_d = target.n_decoded_tokens, 0.0, 0.0
-        finished = False
-        try:
-            # The last prompt token is decoded by the first step, so every position is decoded once. `auto`
-            # prefills the draft only where it expects to draft with it; elsewhere the draft catches up when
-            # first used (often never: on many CPUs the draft model does not pay).
-            uses_draft = draft is not None and (
-                method == "vanilla" or method == "auto" and drafting[0].uses_model(len(tokens))
-            )
-            for d in (target, draft) if uses_draft else (target,):
-                if len(tokens) > 1:
-                    d.sync(tokens[:-1])
-                else:
-                    d.rollback_to(0)
-            t1 = time.perf_counter()
-            stats.prefill_seconds = t1 - t0
-            stats.prefill_tokens = target.n_decoded_tokens - decoded_before
-            stats.cached_tokens = max(0, len(tokens) - 1 - stats.prefill_tokens)
-            base_t, base_d = target.decode_seconds, draft.decode_seconds if draft else 0.0
-            if tree is not None:
-                steps: Iterator[Step] = medusa(target, self.medusa, tree, tokens[-1], limit, s.sampling, rng, s.typical)
-            elif drafting is None:
-                steps = autoregressive(target, tokens[-1], limit, s.sampling, rng)
-            else:
-                steps = speculative(target, *drafting, tokens[-1], limit, s.sampling, rng)
-            reason = "length" if limit < s.max_tokens else "max_tokens"
-            for step in steps:
-                stats.record(step.drafted, len(step.tokens) - 1)
-                for i, tok in enumerate(step.tokens):
-                    if target.vocab.is_eog(tok) or tok in stop_ids:
-                        reason = "stop"
-                        break
-                    out.append(tok)
-                    stats.generated_tokens = len(out)
-                    piece = text.push(target.vocab.piece(tok))
-                    yield GenerationResponse(piece, tok, i < len(step.tokens) - 1, stats)
-                    if text.stopped:
-                        reason = "stop"
-                        break
-                if reason == "stop":
-                    steps.close()
-                    break
-            tail = text.flush()
-            self._finish(stats, out, text, reason, t0, base_t, base_d, draft)
-            finished = True
-            yield GenerationResponse(tail, None, False, stats, reason, self.last_result)
-        finally:
-            if not finished:  # stopped early: by the caller, Ctrl-C or an error
-                self._finish(stats, out, text, "interrupted", t0, base_t, base_d, draft)
+        return tokens, s.max_tokens if s.context_shift else min(s.max_tokens, n_ctx - len(tokens))
 
-    def _finish(self, stats: Stats, out: list[int], text: TextStream, reason: StopReason, t0: float, base_t: float,
-                base_d: float, draft: LlamaCppDecoder | None) -> None:
-        stats.generated_tokens = len(out)
-        if stats.prefill_seconds:
-            stats.generation_seconds = time.perf_counter() - t0 - stats.prefill_seconds
-            stats.target_seconds = self.target.decode_seconds - base_t
-            stats.draft_seconds = (draft.decode_seconds - base_d) if draft else 0.0
-        self.last_result = GenerationResult(text.text, out, reason, stats)
+    def _prepare(self, method: Method, s: GenerationSettings, last: int, limit: int,
+                 draft: LlamaCppDecoder | None) -> Run:
+        run = Run(self.target, last, limit, s.sampling, np.random.default_rng(s.seed), s.draft_max, typical=s.typical)
+        if method.needs_heads:  # the heads' own fitted tree unless another is asked for
+            own = self.medusa.choices if s.medusa_tree is None else None
+            run.heads, run.tree = self.medusa, build_tree(own) if own else load_tree(s.medusa_tree)
+        elif method.drafter is not None:
+            run.drafter = method.drafter(self, s, draft)
+        return run
 
-    def _drafting(self, method: str, draft: LlamaCppDecoder | None, s: GenerationSettings):
-        """The drafter and draft-length policy of a speculative method."""
+    def auto_drafter(self, s: GenerationSettings, draft: LlamaCppDecoder | None) -> AutoDrafter:
+        """`auto`'s drafter, which keeps what it learned across generations; its first run measures the cost
+        model (unless one was given), which resets the contexts: call it before the prefill."""
         n_vocab = self.target.n_vocab
-        if method == "vanilla":  # the textbook method: chains of fixed length
-            return ModelDrafter(draft, n_vocab, s.draft_p_min), FixedLength(s.draft_max)
+        lookup = LookupDrafter(n_vocab)
         tree_leaves = self.target.options.n_seq_max - 1
         model = ModelDrafter(draft, n_vocab, s.draft_p_min, tree_leaves) if draft is not None else None
-        lookup = LookupDrafter(n_vocab)
-        if method == "lookup":
-            return lookup, FixedLength(s.draft_max)
-        if self._costs is None or len(self._costs.verify) < s.draft_max + 1:
-            self._costs = cached_measure(self.target, draft, s.draft_max)
-        key = model is not None
-        auto = self._policies.get(key)
-        if auto is None or auto.k_max != s.draft_max or auto.costs is not self._costs:
-            auto = self._policies[key] = AutoDrafter(lookup, model, self._costs, s.draft_max, self.target, draft)
+        if self.costs is None or len(self.costs.verify) < s.draft_max + 1:
+            self.costs = cached_measure(self.target, draft, s.draft_max)
+        auto = self._auto.get(model is not None)
+        if auto is None or auto.k_max != s.draft_max or auto.costs is not self.costs:
+            auto = self._auto[model is not None] = AutoDrafter(lookup, model, self.costs, s.draft_max, self.target, draft)
         auto.lookup, auto.model = lookup, model  # this generation's settings (draft_p_min)
-        return auto, auto.restart()
+        return auto.restart()
 
     def reset(self) -> None:
         """Empty both KV caches: the next generation prefills from scratch (no prefix reuse)."""
@@ -325,3 +288,42 @@ class SpeculativeEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _committed(steps: Iterator[Step], stats: Stats, is_stop: Callable[[int], bool]) -> Iterator[tuple[int | None, bool]]:
+    """Each step's tokens, and whether a draft proposed it (steps counted in `stats`); None at a stop token."""
+    try:
+        for step in steps:
+            stats.record(step.drafted, len(step.tokens) - 1)
+            for i, tok in enumerate(step.tokens):
+                if is_stop(tok):
+                    yield None, False
+                    return
+                yield tok, i < len(step.tokens) - 1
+    finally:
+        steps.close()
+
+
+class _Meter:
+    """A generation's clocks: wall time around the prefill and the steps, and both models' decode time."""
+
+    def __init__(self, target: LlamaCppDecoder, draft: LlamaCppDecoder | None, stats: Stats) -> None:
+        self.target, self.draft, self.stats = target, draft, stats
+        self.t0, self.decoded0 = time.perf_counter(), target.n_decoded_tokens
+        self.target0 = self.draft0 = 0.0
+
+    def prefilled(self) -> None:
+        st = self.stats
+        st.prefill_seconds = time.perf_counter() - self.t0
+        st.prefill_tokens = self.target.n_decoded_tokens - self.decoded0
+        st.cached_tokens = max(0, st.prompt_tokens - 1 - st.prefill_tokens)
+        self.target0, self.draft0 = self.target.decode_seconds, self.draft.decode_seconds if self.draft else 0.0
+
+    def finish(self, generated: int) -> Stats:
+        st = self.stats
+        st.generated_tokens = generated
+        if st.prefill_seconds:
+            st.generation_seconds = time.perf_counter() - self.t0 - st.prefill_seconds
+            st.target_seconds = self.target.decode_seconds - self.target0
+            st.draft_seconds = (self.draft.decode_seconds - self.draft0) if self.draft else 0.0
+        return st

@@ -14,13 +14,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .adaptive import AutoDrafter, CostModel
 from .bench import BenchPrompt
-from .drafters import Draft, LookupDrafter
+from .costs import CostModel
+from .drafters import AutoDrafter, Draft, LookupDrafter
 from .engine import GenerationSettings, SpeculativeEngine
+from .methods import METHODS
 from .sampling import SamplingParams
 
-POLICIES = ("autoregressive", "vanilla", "lookup", "auto", "oracle")
+# the methods that draft with a draft model or lookup (or not at all), and the per-step oracle
+POLICIES = tuple(m.name for m in METHODS.values() if not m.needs_heads) + ("oracle",)
 GREEDY = SamplingParams(temperature=0.0)
 
 
@@ -108,14 +110,13 @@ def replay(traces: Iterable[Trace], costs: CostModel, policy: str, k: int, max_t
                 rate = lambda o: (kept(o[0], tr.tokens, t) + 1) / _cost(costs, *o)  # noqa: E731
                 proposal, decodes = max(options.values(), key=rate)
             elif auto is not None:
-                auto.choose()
-                proposal = auto.propose(tr.tokens[:t], room, GREEDY, None).tokens if room else []
+                proposal = auto.propose(tr.tokens[:t], room, GREEDY, None).tokens
                 decodes = len(proposal) if auto.source is auto.model_length else 0
             else:
                 proposal, decodes = options[policy]
             n_kept = kept(proposal, tr.tokens, t)
             if auto is not None:
-                auto.update(len(proposal), n_kept)
+                auto.observe(len(proposal), n_kept)
             total.seconds += _cost(costs, proposal, decodes)
             total.tokens += min(n_kept + 1, end - t)
             total.passes += 1

@@ -41,7 +41,7 @@ class Speculative(BaseModel):
     """ggufspec's extra body field: how this request speculates."""
 
     model_config = ConfigDict(extra="forbid")
-    method: Literal[METHODS] | None = None  # type: ignore[valid-type]
+    method: Literal[tuple(METHODS)] | None = None  # type: ignore[valid-type]
     draft_max: int | None = Field(None, ge=1, le=64)
     draft_p_min: float | None = Field(None, ge=0, le=1)
 

@@ -8,10 +8,10 @@ import llama_cpp
 import numpy as np
 import pytest
 
-import ggufspec.adaptive as adaptive
-from ggufspec.adaptive import MIN_GAIN, PROBE_EVERY, AdaptiveLength, AutoDrafter, ContextCosts, CostModel, measure
-import ggufspec.drafters as drafters
-from ggufspec.drafters import Draft, LookupDrafter, ModelDrafter
+import ggufspec.costs as costs_module
+from ggufspec.costs import ContextCosts, CostModel, measure
+from ggufspec.drafters import (MIN_GAIN, PROBE_EVERY, PROBE_GAIN, AdaptiveLength, AutoDrafter, Draft, LookupDrafter,
+                               ModelDrafter)
 from ggufspec.sampling import SamplingParams, probabilities, softmax
 
 from conftest import open_decoder
@@ -129,7 +129,7 @@ ZEN4 = CostModel(verify=[0.0386, 0.0726, 0.1027, 0.0940], draft=0.0082)
 
 def test_no_model_probes_where_a_perfect_run_would_gain_only_a_little() -> None:
     # drafts kept 90% of the time would earn 12%: less than a failed probe and the draft's catching up cost
-    assert 1.1 < ZEN4.expected_rate(3, 0.9) / ZEN4.expected_rate(0, 0) < adaptive.PROBE_GAIN
+    assert 1.1 < ZEN4.expected_rate(3, 0.9) / ZEN4.expected_rate(0, 0) < PROBE_GAIN
     model, lookup = AdaptiveLength(ZEN4, k_max=3), AdaptiveLength(ZEN4, k_max=3, free=True)
     assert not any(model.choose() for _ in range(300))
     assert any(lookup.choose() for _ in range(300))  # lookup's guesses cost no draft: 41% at 90%
@@ -168,18 +168,16 @@ def test_auto_uses_lookup_where_the_draft_model_cannot_pay(tiny_target, tiny_dra
         auto = AutoDrafter(LookupDrafter(d.n_vocab), ModelDrafter(d, d.n_vocab), costs, 3)
         auto.lookup_length.acceptance = [0.95] * 3  # lookup has been right: verifying its guesses pays
         repeat = [5, 6, 7, 8, 9] * 4
-        assert auto.choose() == 3
         assert auto.propose(repeat, 3, greedy, rng).tokens == [5, 6, 7] and auto.source is auto.lookup_length
-        auto.update(3, 0)
+        auto.observe(3, 0)
         # no earlier match: the draft model, which cannot pay here, is not run; a plain step
-        assert auto.choose() == 3 and auto.propose([11, 12, 13, 14], 3, greedy, rng) == Draft([])
+        assert auto.propose([11, 12, 13, 14], 3, greedy, rng) == Draft([])
         assert auto.source is auto.model_length and d.n_decodes == 0
-        auto.update(0, 0)
+        auto.observe(0, 0)
         # where the draft model pays (a Q4_0 target on an AVX-512 machine here), it drafts
         fast = CostModel([0.082, 0.138, 0.194, 0.131], 0.012)
         auto = AutoDrafter(LookupDrafter(d.n_vocab), ModelDrafter(d, d.n_vocab), fast, 3)
         auto.model_length.acceptance = [0.8] * 3
-        auto.choose()
         tokens = auto.propose([11, 12, 13, 14], 3, greedy, rng).tokens
         assert len(tokens) == 3 and auto.source is auto.model_length and d.n_decodes > 0
 
@@ -202,7 +200,6 @@ def test_lookup_gives_way_to_a_better_draft_model(tiny_draft) -> None:
             auto = AutoDrafter(LookupDrafter(d.n_vocab), ModelDrafter(d, d.n_vocab), CostModel(list(XEON.verify), XEON.draft), 3)
             auto.model_length.acceptance = list(model_kept)
             auto.lookup_length.acceptance = list(kept)
-            auto.choose()
             tokens = auto.propose(repeat, 3, greedy, rng).tokens
             used = "lookup" if auto.source is auto.lookup_length else "model"
             assert used == source and (tokens == [5, 6, 7]) == (source == "lookup")
@@ -210,30 +207,21 @@ def test_lookup_gives_way_to_a_better_draft_model(tiny_draft) -> None:
         auto = AutoDrafter(LookupDrafter(d.n_vocab), ModelDrafter(d, d.n_vocab), CostModel(list(XEON.verify), XEON.draft), 3)
         auto.model_length.acceptance = [0.1] * 3
         auto.lookup_length.acceptance = list(lookup_kept)
-        auto.choose()
         assert auto.propose(repeat, 3, greedy, rng).tokens == [5, 6, 7] and auto.source is auto.lookup_length
 
 
 @pytest.mark.parametrize("costs,prefilled", [(XEON, True), (AVX2, False)])
-def test_auto_prefills_the_draft_only_where_it_drafts_with_it(tiny_target, tiny_draft, monkeypatch, costs, prefilled) -> None:
+def test_auto_prefills_the_draft_only_where_it_drafts_with_it(tiny_target, tiny_draft, costs, prefilled) -> None:
     """Where the draft model pays, its prompt prefill belongs before generation, as for vanilla; elsewhere the
     draft catches up at its first use, which may never come."""
-    import ggufspec.engine as eng
     from ggufspec import GenerationSettings, SpeculativeEngine
 
-    monkeypatch.setattr(eng, "cached_measure", lambda t, d, k: CostModel(list(costs.verify), costs.draft))
-    at_start, speculative = [], eng.speculative
-
-    def spy(target, drafter, *args):
-        at_start.append(len(engine.draft.history))  # called once the prefill is over
-        return speculative(target, drafter, *args)
-
-    monkeypatch.setattr(eng, "speculative", spy)
     prompt = "Once upon a time, in a land far away, there lived"
-    with SpeculativeEngine.load(tiny_target, tiny_draft) as engine:
+    with SpeculativeEngine.load(tiny_target, tiny_draft, costs=CostModel(list(costs.verify), costs.draft)) as engine:
         n = len(engine.encode(prompt))
-        engine.generate(prompt, GenerationSettings(max_tokens=4, method="auto", draft_max=3))
-    assert at_start == [n - 1 if prefilled else 0]
+        # one token: a plain step (nothing is drafted before the last token), so only the prefill touches the draft
+        engine.generate(prompt, GenerationSettings(max_tokens=1, method="auto", draft_max=3))
+        assert len(engine.draft.history) == (n - 1 if prefilled else 0)
 
 
 def test_no_drafting_at_break_even_and_probes_must_pay_for_themselves() -> None:
@@ -266,20 +254,20 @@ def test_plain_steps_slowing_with_the_context_do_not_make_drafting_look_cheaper(
 
 
 def test_cost_cache_is_per_machine(tiny_target, tiny_draft, tmp_path, monkeypatch) -> None:
-    calls, real_machine = [], adaptive.machine
+    calls, real_machine = [], costs_module.machine
 
     def counted(target, draft, k_max):
         calls.append(k_max)
         return measure(target, draft, k_max)[0], 1.0  # a quiet measurement, so it is cached
 
     monkeypatch.setenv("GGUFSPEC_CACHE", str(tmp_path))
-    monkeypatch.setattr(adaptive, "measure", counted)
+    monkeypatch.setattr(costs_module, "measure", counted)
     with open_decoder(tiny_target) as t, open_decoder(tiny_draft) as d:
-        first = adaptive.cached_measure(t, d, 2)
-        again = adaptive.cached_measure(t, d, 2)
+        first = costs_module.cached_measure(t, d, 2)
+        again = costs_module.cached_measure(t, d, 2)
         assert len(calls) == 1 and again == first  # same files, settings and machine: read back
-        monkeypatch.setattr(adaptive, "machine", lambda: "another CPU | another llama.cpp build")
-        adaptive.cached_measure(t, d, 2)
+        monkeypatch.setattr(costs_module, "machine", lambda: "another CPU | another llama.cpp build")
+        costs_module.cached_measure(t, d, 2)
         assert len(calls) == 2  # another machine's costs are never reused
     assert llama_cpp.__version__ in real_machine()  # a new llama.cpp build re-measures too
 
@@ -294,14 +282,12 @@ def test_costs_learned_at_a_long_context_do_not_price_a_short_one() -> None:
     verified = []
     for _ in range(15):
         auto.lookup_length.acceptance = [0.6] * 3  # at the XEON costs, 0.6 pays; at those after 700 tokens, not
-        auto.choose()
         tokens = auto.propose([5, 6, 7, 8, 9] * 140, 3, greedy, rng).tokens
         target.decode_seconds += costs_at_700[len(tokens)]
-        auto.update(len(tokens), min(1, len(tokens)))
+        auto.observe(len(tokens), min(1, len(tokens)))
         verified.append(len(tokens))
     assert verified[0] == 3 and verified[-5:] == [0] * 5
     auto.lookup_length.acceptance = [0.6] * 3
-    auto.choose()
     assert auto.propose([5, 6, 7, 8, 9] * 20, 3, greedy, rng).tokens == [5, 6, 7]
     assert auto.costs.verify == XEON.verify  # the start-up measurement prices short contexts still
 
@@ -324,16 +310,14 @@ def test_the_draft_model_is_not_started_where_its_catch_up_cannot_pay(tiny_draft
         auto = AutoDrafter(LookupDrafter(d.n_vocab), ModelDrafter(d, d.n_vocab), fast, 3, target=target, draft=d)
         auto.model_length.acceptance = [0.8] * 3
         long_prompt = list(range(10, 310))  # 300 unseen tokens at 12 ms > 16 plain steps at 82 ms
-        auto.choose()
         assert auto.propose(long_prompt, 3, greedy, rng) == Draft([]) and d.n_decodes == 0
-        auto.update(0, 0)
-        auto.choose()
+        auto.observe(0, 0)
         tokens = auto.propose(long_prompt[:40], 3, greedy, rng).tokens  # 40 tokens: worth catching up on
         assert len(tokens) == 3 and auto.source is auto.model_length and d.n_decodes > 0
 
 
-def test_greedy_draft_trees_follow_the_draft_while_it_is_confident(tiny_draft, monkeypatch) -> None:
-    """The chain goes on while the draft gives it >= REACH_MIN; the nodes left go to its likeliest runner-ups."""
+def test_greedy_draft_trees_follow_the_draft_while_it_is_confident(tiny_draft) -> None:
+    """The chain goes on while the draft gives it >= reach_min; the nodes left go to its likeliest runner-ups."""
     greedy, context = SamplingParams(), [1, 17, 29, 301, 5]
     with open_decoder(tiny_draft) as d:
         def ranked(prefix: list[int]) -> tuple[list[int], np.ndarray]:
@@ -343,14 +327,16 @@ def test_greedy_draft_trees_follow_the_draft_while_it_is_confident(tiny_draft, m
         chain = ModelDrafter(d, d.n_vocab).propose(context, 3, greedy, None)
         assert chain.tree is None and len(chain.tokens) == 3
         drafter = ModelDrafter(d, d.n_vocab, tree_leaves=3)
-        monkeypatch.setattr(drafters, "REACH_MIN", 0.0)  # always confident: the plain chain
+        drafter.reach_min = 0.0  # always confident: the plain chain
         assert drafter.propose(context, 3, greedy, None) == chain
-        monkeypatch.setattr(drafters, "REACH_MIN", 1.01)  # never: one guess and its two runner-ups
+        drafter.reach_min = 1.01  # never: one guess and its two runner-ups
         top, _ = ranked(context)
         n0 = d.n_decodes
         one = drafter.propose(context, 3, greedy, None)
         assert one.tokens == top and one.tree.choices == ((0,), (1,), (2,)) and d.n_decodes - n0 <= 1
-        leaves2 = ModelDrafter(d, d.n_vocab, tree_leaves=2).propose(context, 3, greedy, None)
+        leaves2 = ModelDrafter(d, d.n_vocab, tree_leaves=2)
+        leaves2.reach_min = 1.01
+        leaves2 = leaves2.propose(context, 3, greedy, None)
         assert leaves2.tokens == top[:2] and leaves2.tree.choices == ((0,), (1,))  # a leaf for the chain's end
         # sampling: the guess is drawn from q and the runner-ups from what is left of it, each with the row it was
         # drawn from (walk's recursive rejection sampling needs them)
@@ -363,7 +349,7 @@ def test_greedy_draft_trees_follow_the_draft_while_it_is_confident(tiny_draft, m
         # nodes, and the node left goes to the likelier of the two runner-ups
         (top0, p0), (top1, p1) = ranked(context), ranked(context + chain.tokens[:1])
         assert p0[0] * p1[0] < p0[0]
-        monkeypatch.setattr(drafters, "REACH_MIN", p0[0] * (1 + p1[0]) / 2)
+        drafter.reach_min = p0[0] * (1 + p1[0]) / 2
         got = drafter.propose(context, 3, greedy, None)
         runner_up = (1,) if p0[1] > p0[0] * p1[1] else (0, 1)
         assert got.tree.choices == ((0,), (0, 0), runner_up)  # the chain first: kept, it needs no cache repair

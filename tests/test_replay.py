@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from click.testing import CliRunner
 
-from ggufspec.adaptive import CostModel
+from ggufspec.costs import CostModel
 from ggufspec.bench import BenchPrompt
 from ggufspec.cli import main
 from ggufspec.decoder import DecoderOptions

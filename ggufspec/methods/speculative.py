@@ -9,23 +9,14 @@ recursive rejection sampling over each node's children keeps (`walk`).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Protocol
 
 import numpy as np
 
 from ..decoder import Decoder
-from ..drafters import Draft, Drafter
+from ..drafters import Drafter
 from ..medusa_trees import walk
 from ..sampling import SamplingParams, pick, probabilities, sample
 from . import Step
-
-
-class DraftLength(Protocol):
-    def choose(self) -> int:
-        """How many tokens to draft this step (0: a plain target step)."""
-
-    def update(self, drafted: int, accepted: int) -> None:
-        """What the target did with them."""
 
 
 def accept_greedy(target_logits: np.ndarray, drafts: list[int]) -> list[int]:
@@ -56,7 +47,7 @@ def accept_sampled(p: np.ndarray, q: np.ndarray, drafts: list[int], rng: np.rand
 def speculative(
     target: Decoder,
     drafter: Drafter,
-    length: DraftLength,
+    k_max: int,
     last: int,
     limit: int,
     params: SamplingParams,
@@ -65,8 +56,8 @@ def speculative(
     """Yield the tokens each target pass commits, at most `limit` in all; `last` is not yet decoded."""
     while limit > 0:
         # tokens the target deferred after a tree (see commit_tree_path) take draft slots: same batch size
-        k = max(0, min(length.choose() - target.n_deferred, limit - 1))
-        draft = drafter.propose(target.history + [last], k, params, rng) if k > 0 else Draft([])
+        k = max(0, min(k_max - target.n_deferred, limit - 1))
+        draft = drafter.propose(target.history + [last], k, params, rng)
         drafts = draft.tokens
         if draft.tree is not None:  # greedy: the target's own picks node by node; sampling: recursive rejection
             nodes = np.array([last, *drafts])
@@ -85,7 +76,7 @@ def speculative(
                 p = probabilities(logits, params)
                 new = accept_sampled(p, pad_vocab(draft.q, p.shape[-1]), drafts, rng)
             target.rollback_to(len(target.history) - len(drafts) + len(new) - 1)
-        length.update(len(drafts), len(new) - 1)
+        drafter.observe(len(drafts), len(new) - 1)
         yield Step(new, len(drafts))
         last = new[-1]
         limit -= len(new)

@@ -1,0 +1,182 @@
+"""What a target pass and a draft token cost on this machine: measured, cached per machine, corrected in use.
+
+On CPUs the target's cost for a batch of n tokens is far from n times one token, and it depends
+on the CPU as much as on the weight type (llama.cpp repacks Q4_0 and Q8_0 for small batches: a
+4-token batch measured here at 1.6 decodes on one machine and 2.6 on an AVX2-only one), so the
+best draft length is found by measuring, not assumed.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import platform
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import llama_cpp
+
+from .decoder import Decoder, LlamaCppDecoder
+
+# Costs are learned per context size: up to this many cached tokens, twice as many, four times... (past 256
+# cached tokens llama.cpp's CPU flash attention decodes a batch with other kernels than one token: measured
+# on the Xeon here, a 4-token batch cost 1.29 decodes after 32 tokens of context and 1.89 after 500)
+CONTEXT_SIZE = 256
+
+
+@dataclass
+class CostModel:
+    """verify[n-1]: seconds for the target to decode n tokens with all logits; draft: one draft token."""
+
+    verify: list[float]
+    draft: float
+
+    @staticmethod
+    def expected_tokens(k: int, acceptance: float | Sequence[float]) -> float:
+        """Tokens a step with k drafts commits; acceptance[i]: chance draft i is kept once judged
+        (a single number: the same at every position)."""
+        a = [acceptance] * k if isinstance(acceptance, (int, float)) else acceptance[:k]
+        tokens = kept = 1.0
+        for x in a:  # plain Python: called several times a step, where numpy's call overhead would show
+            kept *= x
+            tokens += kept
+        return tokens
+
+    def step_seconds(self, k: int, free: bool = False) -> float:
+        """Drafting k tokens (free: they cost nothing, as prompt lookup's) and verifying them."""
+        return k * (0.0 if free else self.draft) + self.verify[min(k, len(self.verify) - 1)]
+
+    def expected_rate(self, k: int, acceptance: float | Sequence[float], free: bool = False) -> float:
+        """Committed tokens per second with k drafts."""
+        return self.expected_tokens(k, acceptance) / self.step_seconds(k, free)
+
+    def best_k(self, acceptance: float | Sequence[float], k_max: int, k_min: int = 0, free: bool = False) -> int:
+        return max(range(k_min, k_max + 1), key=lambda k: self.expected_rate(k, acceptance, free))
+
+    def observe(self, n_verify: int, verify_s: float, draft_decodes: int, draft_s: float, weight: float = 0.2) -> None:
+        """Move toward what one step really cost: the batch size seen at `weight`, the others at half of it
+        (after a plain step: every size and the draft at `weight`), the draft at `weight` per decode.
+
+        A model measured while the machine was busy (or cached from another load) corrects itself in use.
+        Plain steps scale every cost alike: they slow down as the context grows (the draft's too), and
+        taking that as batches or drafts getting relatively cheaper would switch drafting on where it
+        does not pay.
+        """
+        if verify_s > 0:
+            n = min(n_verify, len(self.verify)) - 1
+            ratio = verify_s / self.verify[n]
+            others = weight if n == 0 else weight / 2
+            self.verify = [v * ratio ** (weight if i == n else others) for i, v in enumerate(self.verify)]
+            if n == 0 and not draft_decodes:
+                self.draft *= ratio ** weight
+        if draft_decodes:
+            self.draft += (1 - (1 - weight) ** draft_decodes) * (draft_s / draft_decodes - self.draft)
+
+
+class ContextCosts:
+    """A CostModel per context size (up to CONTEXT_SIZE cached tokens, up to twice that, ...), each
+    learning from the steps taken at its size: a batch attends to the whole context, so what a long
+    prompt teaches must not price a short one. A size first used starts from the next smaller one."""
+
+    def __init__(self, base: CostModel) -> None:
+        self.base = base
+        self._by_size: dict[int, CostModel] = {0: base}
+
+    def at(self, n_ctx: int) -> CostModel:
+        size = (max(n_ctx - 1, 0) // CONTEXT_SIZE).bit_length()
+        if size not in self._by_size:
+            smaller = self._by_size[max(s for s in self._by_size if s < size)]
+            self._by_size[size] = CostModel(list(smaller.verify), smaller.draft)
+        return self._by_size[size]
+
+
+def measure(target: Decoder, draft: Decoder | None, k_max: int, repeats: int = 5) -> tuple[CostModel, float]:
+    """Time target batches of 1..k_max+1 tokens and one draft token after a short context; resets both.
+
+    Rounds interleave all sizes, so a busy spell hits every one; each time is the fastest round's.
+    Also returns the spread (slowest / fastest round, worst size): large when the machine was busy.
+    """
+    ctx = list(range(100, 132))
+    decoders = [target] + ([draft] if draft is not None else [])
+    for d in decoders:
+        d.sync(ctx)
+        d.feed([7])  # warm-up
+        d.rollback_to(len(ctx))
+    sizes = [(target, n) for n in range(1, k_max + 2)] + ([(draft, 1)] if draft is not None else [])
+    times: list[list[float]] = [[] for _ in sizes]
+    for _ in range(repeats):
+        for (d, n), out in zip(sizes, times):
+            t0 = time.perf_counter()
+            d.feed(list(range(200, 200 + n)))
+            out.append(time.perf_counter() - t0)
+            d.rollback_to(len(ctx))
+    for d in decoders:
+        d.rollback_to(0)
+    best = [min(t) for t in times]
+    spread = max(max(t) / min(t) for t in times)
+    return CostModel(best[: k_max + 1], best[k_max + 1] if draft is not None else 0.0), spread
+
+
+MAX_SPREAD = 1.5  # a measurement noisier than this is used for this run but not cached
+
+
+def costs_path() -> Path:
+    return Path(os.environ.get("GGUFSPEC_CACHE", Path.home() / ".cache" / "ggufspec")) / "costs.json"
+
+
+def cached_measure(target: LlamaCppDecoder, draft: LlamaCppDecoder | None, k_max: int) -> CostModel:
+    """measure(), remembered per model files, thread settings, CPU and llama.cpp build in
+    ~/.cache/ggufspec/costs.json (a home shared by different machines must not share their costs)."""
+    path = costs_path()
+    key = json.dumps([_identity(target), _identity(draft) if draft else None, k_max, machine()])
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        table = {}
+    if key in table:
+        return CostModel(**table[key])
+    model, spread = measure(target, draft, k_max)
+    if spread > MAX_SPREAD:
+        return model
+    table[key] = asdict(model)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(table))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home only costs a re-measurement next time
+    return model
+
+
+@functools.cache
+def cpu_info() -> dict[str, str]:
+    """The first CPU's fields in /proc/cpuinfo ("model name", "cpu family", ...); empty where there is none."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            first_cpu = f.read().split("\n\n")[0]
+    except OSError:
+        return {}
+    return {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in first_cpu.splitlines() if ":" in line)}
+
+
+@functools.cache
+def machine() -> str:
+    """What sets batch costs besides the model: the CPU (name, family, model) and llama.cpp's build and features.
+
+    Three CPUs seen here priced a 4-token batch at 1.6, 2.3 and 2.6 single-token decodes."""
+    cpu = [platform.machine(), platform.processor()]
+    fields = cpu_info()
+    if fields:
+        cpu += [fields.get(k, "") for k in ("model name", "cpu family", "model")]
+    return " | ".join(cpu + [llama_cpp.__version__, llama_cpp.llama_print_system_info().decode(errors="replace").strip()])
+
+
+def _identity(d: LlamaCppDecoder) -> list[object]:
+    st = d.path.stat()
+    o = d.options
+    return [str(d.path), st.st_size, int(st.st_mtime), o.n_threads, o.n_threads_batch, o.n_gpu_layers, o.flash_attn,
+            d.kv_type, sorted(d.weight_buffers)]  # where the weights went: repacked or not costs batches differently
