@@ -126,7 +126,10 @@ def _repo_folder(repo: str) -> Path:
 
 
 def cached_files(repo: str) -> list[str]:
-    """Files of `repo`'s cached main snapshot (empty when nothing is cached); no network."""
+    """Files of `repo`'s cached main snapshot (empty when nothing is cached); no network.
+
+    Walked by hand: snapshot_download(local_files_only=True) refuses a snapshot that holds only the files
+    we fetched, and scan_cache_dir reads every repo in the cache."""
     folder = _repo_folder(repo)
     ref = folder / "refs" / "main"
     if not ref.is_file():
@@ -283,9 +286,11 @@ def _cached_match(spec: FileSpec) -> Path | None:
     names = [n for n in cached_files(spec.repo) if fnmatch.fnmatch(n.lower(), spec.pattern.lower())]
     if len(names) != 1:
         return None
-    folder = _repo_folder(spec.repo)
-    path = folder / "snapshots" / (folder / "refs" / "main").read_text().strip() / names[0]
-    return path if path.exists() else None  # a dangling link (blob deleted) is not a cached file
+    from huggingface_hub import try_to_load_from_cache
+
+    path = try_to_load_from_cache(spec.repo, names[0])
+    # a dangling link (blob deleted) is not a cached file
+    return Path(path) if isinstance(path, str) and Path(path).exists() else None
 
 
 def fetch(spec: FileSpec, prefer_cache: bool = True) -> Path:

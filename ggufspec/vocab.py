@@ -9,7 +9,7 @@ import llama_cpp
 
 
 class Vocab:
-    """llama.cpp's tokenizer for one loaded model; honours the GGUF's add_bos/add_eos settings."""
+    """llama.cpp's tokenizer for one loaded model; tokenize honours the GGUF's add_bos/add_eos settings."""
 
     def __init__(self, model: llama_cpp.llama_model_p) -> None:
         self._vocab = llama_cpp.llama_model_get_vocab(model)
@@ -17,8 +17,7 @@ class Vocab:
         self.bos: int = llama_cpp.llama_vocab_bos(self._vocab)
         self.eos: int = llama_cpp.llama_vocab_eos(self._vocab)
         self.eot: int = llama_cpp.llama_vocab_eot(self._vocab)
-        self.add_bos: bool = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
-        self.add_eos: bool = bool(llama_cpp.llama_vocab_get_add_eos(self._vocab))
+        self.add_bos: bool = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))  # pairing compares it
         self._buf = ctypes.create_string_buffer(256)
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
@@ -41,9 +40,6 @@ class Vocab:
             n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
             return buf.raw[:n]
         return self._buf.raw[:n]
-
-    def detokenize(self, tokens: list[int], special: bool = False) -> str:
-        return b"".join(self.piece(t, special) for t in tokens).decode("utf-8", errors="replace")
 
     def text(self, token: int) -> bytes:
         """The token's raw text as stored in the GGUF (what pairing compares)."""

@@ -16,7 +16,8 @@ from gguf import GGUFReader, TokenType  # noqa: E402
 from convert_fixtures import (  # noqa: E402
     CHAT_TEMPLATE, train_bpe_tokenizer, train_spm_tokenizer, write_tiny_model,
 )
-from ggufspec.convert import hf, reference  # noqa: E402
+import reference  # noqa: E402
+from ggufspec.convert import hf  # noqa: E402
 from ggufspec.convert.hf import convert_hf  # noqa: E402
 
 REL_TOL = 1e-4  # max |llama.cpp - reference| / max |reference| over all positions and vocab entries
