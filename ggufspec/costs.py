@@ -8,13 +8,14 @@ best draft length is found by measuring, not assumed.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import json
 import os
 import platform
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import llama_cpp
@@ -25,20 +26,47 @@ from .decoder import Decoder, LlamaCppDecoder
 # cached tokens llama.cpp's CPU flash attention decodes a batch with other kernels than one token: measured
 # on the Xeon here, a 4-token batch cost 1.29 decodes after 32 tokens of context and 1.89 after 500)
 CONTEXT_SIZE = 256
+# Long batches measured for prompt lookup's long guesses (where the text copies its context): the draft
+# lengths they hold are one less. At most llama.cpp's CPU micro-batch (decoder.CPU_UBATCH), so one pass.
+LONG_BATCHES = (16, 32, 64)
 
 
 @dataclass
 class CostModel:
-    """verify[n-1]: seconds for the target to decode n tokens with all logits; draft: one draft token."""
+    """verify[n-1]: seconds for the target to decode n tokens with all logits; draft: one draft token;
+    long_verify[i]: a batch of long_sizes[i] tokens (sizes past verify's; between them, interpolated)."""
 
     verify: list[float]
     draft: float
+    long_sizes: list[int] = field(default_factory=list)
+    long_verify: list[float] = field(default_factory=list)
+
+    def copy(self) -> CostModel:
+        return CostModel(list(self.verify), self.draft, list(self.long_sizes), list(self.long_verify))
+
+    @property
+    def k_long(self) -> tuple[int, ...]:
+        """The long draft lengths whose batches were measured."""
+        return tuple(n - 1 for n in self.long_sizes)
+
+    def batch_seconds(self, n: int) -> float:
+        """Seconds for a batch of n tokens: measured, interpolated between measured sizes, or scaled from the largest."""
+        if n <= len(self.verify) or not self.long_sizes:
+            return self.verify[min(n, len(self.verify)) - 1]
+        sizes, secs = [len(self.verify), *self.long_sizes], [self.verify[-1], *self.long_verify]
+        if n >= sizes[-1]:
+            return secs[-1] * n / sizes[-1]
+        i = bisect.bisect_left(sizes, n)
+        return secs[i - 1] + (secs[i] - secs[i - 1]) * (n - sizes[i - 1]) / (sizes[i] - sizes[i - 1])
 
     @staticmethod
     def expected_tokens(k: int, acceptance: float | Sequence[float]) -> float:
         """Tokens a step with k drafts commits; acceptance[i]: chance draft i is kept once judged
-        (a single number: the same at every position)."""
-        a = [acceptance] * k if isinstance(acceptance, (int, float)) else acceptance[:k]
+        (a single number: the same at every position; a short list: its last entry for the positions after it)."""
+        if isinstance(acceptance, (int, float)):
+            a = [acceptance] * k
+        else:
+            a = list(acceptance[:k]) + [acceptance[-1]] * (k - len(acceptance)) if acceptance else [0.0] * k
         tokens = kept = 1.0
         for x in a:  # plain Python: called several times a step, where numpy's call overhead would show
             kept *= x
@@ -47,14 +75,16 @@ class CostModel:
 
     def step_seconds(self, k: int, free: bool = False) -> float:
         """Drafting k tokens (free: they cost nothing, as prompt lookup's) and verifying them."""
-        return k * (0.0 if free else self.draft) + self.verify[min(k, len(self.verify) - 1)]
+        return k * (0.0 if free else self.draft) + self.batch_seconds(k + 1)
 
     def expected_rate(self, k: int, acceptance: float | Sequence[float], free: bool = False) -> float:
         """Committed tokens per second with k drafts."""
         return self.expected_tokens(k, acceptance) / self.step_seconds(k, free)
 
-    def best_k(self, acceptance: float | Sequence[float], k_max: int, k_min: int = 0, free: bool = False) -> int:
-        return max(range(k_min, k_max + 1), key=lambda k: self.expected_rate(k, acceptance, free))
+    def best_k(self, acceptance: float | Sequence[float], k_max: int, k_min: int = 0, free: bool = False,
+               longer: Sequence[int] = ()) -> int:
+        """The draft length in k_min..k_max (or among `longer`) with the most expected tokens per second."""
+        return max([*range(k_min, k_max + 1), *longer], key=lambda k: self.expected_rate(k, acceptance, free))
 
     def observe(self, n_verify: int, verify_s: float, draft_decodes: int, draft_s: float, weight: float = 0.2) -> None:
         """Move toward what one step really cost: the batch size seen at `weight`, the others at half of it
@@ -65,7 +95,10 @@ class CostModel:
         taking that as batches or drafts getting relatively cheaper would switch drafting on where it
         does not pay.
         """
-        if verify_s > 0:
+        if verify_s > 0 and n_verify > len(self.verify) and self.long_sizes:  # only the nearest long size learns
+            i = min(range(len(self.long_sizes)), key=lambda i: abs(self.long_sizes[i] - n_verify))
+            self.long_verify[i] *= (verify_s / self.batch_seconds(n_verify)) ** weight
+        elif verify_s > 0:
             n = min(n_verify, len(self.verify)) - 1
             ratio = verify_s / self.verify[n]
             others = weight if n == 0 else weight / 2
@@ -89,15 +122,18 @@ class ContextCosts:
         size = (max(n_ctx - 1, 0) // CONTEXT_SIZE).bit_length()
         if size not in self._by_size:
             smaller = self._by_size[max(s for s in self._by_size if s < size)]
-            self._by_size[size] = CostModel(list(smaller.verify), smaller.draft)
+            self._by_size[size] = smaller.copy()
         return self._by_size[size]
 
 
-def measure(target: Decoder, draft: Decoder | None, k_max: int, repeats: int = 5) -> tuple[CostModel, float]:
-    """Time target batches of 1..k_max+1 tokens and one draft token after a short context; resets both.
+def measure(target: LlamaCppDecoder, draft: Decoder | None, k_max: int, repeats: int = 5,
+            long_sizes: Sequence[int] = LONG_BATCHES, long_repeats: int = 2) -> tuple[CostModel, float]:
+    """Time target batches of 1..k_max+1 tokens (and of `long_sizes` that fit) and one draft token after a
+    short context; resets both.
 
-    Rounds interleave all sizes, so a busy spell hits every one; each time is the fastest round's.
-    Also returns the spread (slowest / fastest round, worst size): large when the machine was busy.
+    Rounds interleave all sizes, so a busy spell hits every one; each time is the fastest round's (long
+    batches take part in the first `long_repeats` rounds: each costs as much as many short ones).
+    Also returns the spread (slowest / fastest round, worst short size): large when the machine was busy.
     """
     ctx = list(range(100, 132))
     decoders = [target] + ([draft] if draft is not None else [])
@@ -105,10 +141,15 @@ def measure(target: Decoder, draft: Decoder | None, k_max: int, repeats: int = 5
         d.sync(ctx)
         d.feed([7])  # warm-up
         d.rollback_to(len(ctx))
+    room = min(target.n_ctx - len(ctx) - 1, target.options.micro_batch)  # one micro-batch, inside the context
+    longs = [n for n in long_sizes if k_max + 1 < n <= room]
     sizes = [(target, n) for n in range(1, k_max + 2)] + ([(draft, 1)] if draft is not None else [])
+    sizes += [(target, n) for n in longs]
     times: list[list[float]] = [[] for _ in sizes]
-    for _ in range(repeats):
-        for (d, n), out in zip(sizes, times):
+    for r in range(repeats):
+        for i, ((d, n), out) in enumerate(zip(sizes, times)):
+            if r >= long_repeats and i >= len(sizes) - len(longs):
+                continue
             t0 = time.perf_counter()
             d.feed(list(range(200, 200 + n)))
             out.append(time.perf_counter() - t0)
@@ -116,8 +157,10 @@ def measure(target: Decoder, draft: Decoder | None, k_max: int, repeats: int = 5
     for d in decoders:
         d.rollback_to(0)
     best = [min(t) for t in times]
-    spread = max(max(t) / min(t) for t in times)
-    return CostModel(best[: k_max + 1], best[k_max + 1] if draft is not None else 0.0), spread
+    short = len(sizes) - len(longs)
+    spread = max(max(t) / min(t) for t in times[:short])
+    model = CostModel(best[: k_max + 1], best[k_max + 1] if draft is not None else 0.0, longs, best[short:])
+    return model, spread
 
 
 MAX_SPREAD = 1.5  # a measurement noisier than this is used for this run but not cached
@@ -131,7 +174,7 @@ def cached_measure(target: LlamaCppDecoder, draft: LlamaCppDecoder | None, k_max
     """measure(), remembered per model files, thread settings, CPU and llama.cpp build in
     ~/.cache/ggufspec/costs.json (a home shared by different machines must not share their costs)."""
     path = costs_path()
-    key = json.dumps([_identity(target), _identity(draft) if draft else None, k_max, machine()])
+    key = json.dumps([_identity(target), _identity(draft) if draft else None, k_max, LONG_BATCHES, machine()])
     try:
         table = json.loads(path.read_text())
     except (OSError, ValueError):

@@ -144,9 +144,11 @@ class LookupDrafter:
 
     def __init__(self, n_vocab: int, ngram_max: int = 4, ngram_min: int = 2) -> None:
         self.n_vocab, self.ngram_max, self.ngram_min = n_vocab, ngram_max, ngram_min
+        self.match = 0  # how many tokens before the guess the last find() matched (up to LONG_MATCH)
 
     def find(self, context: list[int], k: int) -> list[int]:
         ctx = np.asarray(context)
+        self.match = 0
         for n in range(min(self.ngram_max, len(ctx) - 1), self.ngram_min - 1, -1):
             tail = ctx[-n:]
             # windows starting at 0 .. len-n-1: every occurrence that ends before the tail itself
@@ -154,6 +156,9 @@ class LookupDrafter:
             hits = np.flatnonzero((windows == tail).all(axis=1))
             if len(hits):
                 start = int(hits[-1]) + n
+                m = min(LONG_MATCH, start)  # how far back the copy goes
+                same = ctx[start - m : start][::-1] == ctx[len(ctx) - m :][::-1]
+                self.match = m if same.all() else int(np.argmin(same))
                 return ctx[start : start + k].tolist()
         return []
 
@@ -179,6 +184,9 @@ OPTIMISTIC = 0.9  # probes are made only if drafts kept this often would beat pl
 # use (measured on an AVX-512 machine here: probes at a 12% optimistic gain made `auto` 8% slower)
 PROBE_GAIN = 1.2
 MIN_GAIN = 1.05  # drafting only when expected to beat plain decoding by this factor
+# A lookup guess longer than the draft length is verified only where the text before it repeats earlier
+# text for at least this many tokens: a copy, not a chance n-gram
+LONG_MATCH = 16
 
 
 class AdaptiveLength:
@@ -196,9 +204,13 @@ class AdaptiveLength:
 
     def __init__(self, costs: CostModel, k_max: int, prior: float = 0.7, memory: float = 0.95,
                  target: LlamaCppDecoder | None = None, draft: LlamaCppDecoder | None = None,
-                 free: bool = False) -> None:
+                 free: bool = False, longer: tuple[int, ...] = ()) -> None:
         self.costs, self.k_max, self.memory, self.prior, self.free = costs, k_max, memory, prior, free
-        self.acceptance = [prior] * k_max
+        self.longer = longer  # lengths past k_max that may be drafted too (lookup's long guesses)...
+        self._all_kept = False  # ...only right after a guess kept whole: one long miss, then short ones again
+        # per position up to k_max; with `longer`, one more entry: every position from k_max-1 on (a guess
+        # that has held that far in copied text tends to hold on)
+        self.acceptance = [prior] * (k_max + bool(longer))
         self._off_steps, self.probe_every, self._probing = 0, PROBE_EVERY, False
         self._clocks = (target, draft)  # their decode counters time each step for costs.observe
         self._start = (0.0, 0, 0.0, 0, 0)
@@ -218,11 +230,14 @@ class AdaptiveLength:
 
     def planned(self) -> int:
         """The length choose() would pick now, probes aside; no side effects."""
-        k = self.costs.best_k(self.acceptance, self.k_max, free=self.free)
+        k = self.costs.best_k(self.acceptance, self.k_max, free=self.free, longer=self._longer())
         rate = self.costs.expected_rate
         if k and rate(k, self.acceptance, self.free) < MIN_GAIN * rate(0, 0):
             k = 0  # at break-even the estimate's noise decides, and a wrong guess costs more than it earns
         return k
+
+    def _longer(self) -> tuple[int, ...]:
+        return self.longer if self._all_kept else ()
 
     def choose(self) -> int:
         self._start = self._read_clocks()
@@ -232,7 +247,7 @@ class AdaptiveLength:
             self._off_steps += 1
             if self._off_steps >= self.probe_every and self._worth_probing():
                 self._off_steps, self._probing = 0, True
-                return self.costs.best_k(self.acceptance, self.k_max, k_min=1, free=self.free)
+                return self.costs.best_k(self.acceptance, self.k_max, k_min=1, free=self.free, longer=self._longer())
         return k
 
     def _worth_probing(self) -> bool:
@@ -242,8 +257,14 @@ class AdaptiveLength:
 
     def update(self, drafted: int, accepted: int) -> None:
         # tokens after the first rejection were never judged: they say nothing about acceptance
-        for i in range(min(drafted, accepted + 1, self.k_max)):
-            self.acceptance[i] = self.memory * self.acceptance[i] + (1 - self.memory) * (i < accepted)
+        a, m, judged = self.acceptance, self.memory, min(drafted, accepted + 1)
+        for i in range(min(judged, self.k_max)):
+            a[i] = m * a[i] + (1 - m) * (i < accepted)
+        if drafted:
+            self._all_kept = accepted == drafted
+        deep = range(self.k_max - 1, judged)
+        if self.longer and deep:  # the deep positions' entry: one observation a step, the share of them kept
+            a[-1] = m * a[-1] + (1 - m) * sum(i < accepted for i in deep) / len(deep)
         c = self.costs
         spent = c.step_seconds(drafted, self.free)
         if self._clocks[0] is not None:
@@ -270,10 +291,15 @@ class AutoDrafter:
                  target: LlamaCppDecoder | None = None, draft: LlamaCppDecoder | None = None) -> None:
         self.lookup, self.model, self.k_max = lookup, model, k_max
         self.context_costs = ContextCosts(costs)
-        self.lookup_length = AdaptiveLength(costs, k_max, free=True, target=target)
+        self.lookup_length = AdaptiveLength(costs, k_max, free=True, target=target, longer=costs.k_long)
         self.model_length = AdaptiveLength(costs, k_max, target=target, draft=draft) if model is not None else None
-        self.draft = draft
+        self.target, self.draft = target, draft
         self.source: AdaptiveLength | None = None  # whose proposal the target is judging
+
+    @property
+    def k_cap(self) -> int:
+        """The most tokens a step may draft: lookup's long guesses, where measured, else k_max."""
+        return max((self.k_max, *self.lookup_length.longer))
 
     @property
     def costs(self) -> CostModel:
@@ -312,11 +338,14 @@ class AutoDrafter:
         n = min(self.lookup_length.choose(), k)
         if n:  # searched only when its guess would be verified: on a fast target the search shows
             draft = self.lookup.propose(context, n, params, rng)
+            if len(draft.tokens) > self.k_max and self.lookup.match < LONG_MATCH:
+                draft = Draft(draft.tokens[: self.k_max], None if draft.q is None else draft.q[: self.k_max])
             if draft.tokens and not self._model_beats_lookup(len(draft.tokens)):
                 return draft
         if self.model_length is not None and self._catch_up_pays(context):
             self.source = self.model_length
-            n = min(self.model_length.choose(), k)
+            # deferred tokens (see commit_tree_path) ride in the batch: it stays within the measured sizes
+            n = min(self.model_length.choose(), k, self.k_max - getattr(self.target, "n_deferred", 0))
             if n:
                 return self.model.propose(context, n, params, rng)
         return Draft([])
@@ -338,7 +367,7 @@ class AutoDrafter:
         if not self.uses_model():
             return False
         costs, model = self.costs, self.model_length
-        tokens = costs.expected_tokens(n, self.lookup_length.acceptance)
+        tokens = costs.expected_tokens(n, self.lookup_length.acceptance)  # its last entry: all deeper positions
         lookup_rate = tokens / (costs.step_seconds(n, free=True) + tokens * costs.draft)
         return costs.expected_rate(model.planned(), model.acceptance) > lookup_rate
 

@@ -253,6 +253,7 @@ class SpeculativeEngine:
             run.heads, run.tree = self.medusa, build_tree(own) if own else load_tree(s.medusa_tree)
         elif method.drafter is not None:
             run.drafter = method.drafter(self, s, draft)
+            run.k_max = getattr(run.drafter, "k_cap", s.draft_max)  # auto: lookup's long guesses may go further
         return run
 
     def auto_drafter(self, s: GenerationSettings, draft: LlamaCppDecoder | None) -> AutoDrafter:

@@ -91,7 +91,7 @@ def replay(traces: Iterable[Trace], costs: CostModel, policy: str, k: int, max_t
     lookup = LookupDrafter(n_vocab=0)
     auto = None
     if policy == "auto":
-        auto = AutoDrafter(lookup, _Guesses([]), CostModel(list(costs.verify), costs.draft), k)
+        auto = AutoDrafter(lookup, _Guesses([]), costs.copy(), k)
     total = Replay()
     for tr in traces:
         if auto is not None:
@@ -101,6 +101,8 @@ def replay(traces: Iterable[Trace], costs: CostModel, policy: str, k: int, max_t
         while t < end:
             room = min(k, end - t - 1)  # as the engine does: never draft past the token limit
             model = [tr.guess[i] if i < len(tr.guess) else -1 for i in range(t - 1, t - 1 + room)]
+            if auto is not None:  # its lookup may guess further than k where the text copies itself
+                room = min(auto.k_cap, end - t - 1)
             options = {  # proposal, draft decodes it costs
                 "autoregressive": ([], 0),
                 "vanilla": (model, room),
@@ -136,7 +138,7 @@ class _Guesses:
 
 
 def _cost(costs: CostModel, proposal: list[int], decodes: int) -> float:
-    return costs.verify[min(len(proposal), len(costs.verify) - 1)] + decodes * costs.draft
+    return costs.batch_seconds(len(proposal) + 1) + decodes * costs.draft
 
 
 def replay_table(traces: list[Trace], costs: CostModel, k: int, max_tokens: int) -> list[tuple[str, str, Replay, float]]:

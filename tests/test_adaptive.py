@@ -10,8 +10,8 @@ import pytest
 
 import ggufspec.costs as costs_module
 from ggufspec.costs import ContextCosts, CostModel, measure
-from ggufspec.drafters import (MIN_GAIN, PROBE_EVERY, PROBE_GAIN, AdaptiveLength, AutoDrafter, Draft, LookupDrafter,
-                               ModelDrafter)
+from ggufspec.drafters import (LONG_MATCH, MIN_GAIN, PROBE_EVERY, PROBE_GAIN, AdaptiveLength, AutoDrafter, Draft,
+                               LookupDrafter, ModelDrafter)
 from ggufspec.sampling import SamplingParams, probabilities, softmax
 
 from conftest import open_decoder
@@ -39,6 +39,49 @@ def test_cost_model_prefers_long_drafts_only_when_they_pay() -> None:
     # per position, as measured on the benchmark pair: 1 + .71 + .71*.86 + .71*.86*.76 = 2.785 tokens a pass
     assert abs(flat.expected_rate(3, [0.71, 0.86, 0.76]) * (3 * 0.008 + 0.07) - 2.785) < 1e-3
     assert flat.best_k([0.5, 0.9, 0.9, 0.9], 4) == 3  # a weak first guess, but sure after it: still pays
+
+
+# Long batches (16, 32, 64 tokens) priced past the short ones, roughly as on the Xeon here for a compute-bound 64
+LONG = CostModel([0.089, 0.1373, 0.1796, 0.1373 * 1.1], 0.0122, [16, 32, 64], [0.30, 0.50, 0.90])
+
+
+def test_long_batches_are_priced_between_the_measured_sizes_and_learn_alone() -> None:
+    c = LONG.copy()
+    assert c.k_long == (15, 31, 63)
+    assert c.batch_seconds(4) == c.verify[3] and c.batch_seconds(16) == 0.30
+    assert c.batch_seconds(10) == pytest.approx(c.verify[3] + (0.30 - c.verify[3]) * 6 / 12)
+    assert c.batch_seconds(48) == pytest.approx(0.70) and c.batch_seconds(128) == pytest.approx(1.80)
+    assert c.step_seconds(31, free=True) == 0.50
+    c.observe(33, 0.60, 0, 0.0)  # a 33-token batch took longer than priced: only the nearest long size learns
+    assert c.long_verify[0] == 0.30 and c.long_verify[2] == 0.90 and c.long_verify[1] > 0.50
+    assert c.verify == LONG.verify and c.draft == LONG.draft
+    assert CostModel([0.1, 0.2], 0.01).batch_seconds(9) == 0.2  # nothing measured past: the largest size
+
+
+def test_lookup_learns_its_way_to_long_guesses_through_full_short_ones() -> None:
+    lookup = AdaptiveLength(LONG.copy(), k_max=3, free=True, longer=LONG.k_long)
+    assert lookup.planned() <= 3  # at the prior, a 16-token batch for ~3 tokens does not pay
+    for _ in range(60):  # copied text: every guess kept
+        k = lookup.choose()
+        lookup.update(k, k)
+    assert lookup.planned() in LONG.k_long and lookup.acceptance[-1] > 0.95
+    for _ in range(30):  # guesses now rejected at once: back to short ones (or none)
+        k = lookup.choose()
+        lookup.update(k, 0)
+    assert lookup.planned() <= 3
+
+
+def test_a_long_lookup_guess_needs_a_long_copy_before_it() -> None:
+    greedy, rng = SamplingParams(), np.random.default_rng(0)
+    auto = AutoDrafter(LookupDrafter(200), None, LONG.copy(), 3)
+    auto.lookup_length.acceptance = [0.99] * 4
+    auto.lookup_length.update(3, 3)  # the last guess was kept whole
+    text = list(range(10, 90))  # 80 distinct tokens
+    assert auto.k_cap == 63
+    guess = auto.propose(text + text[:20], auto.k_cap, greedy, rng).tokens  # 20 tokens into a copy of it
+    assert len(guess) > 3 and guess == text[20 : 20 + len(guess)] and auto.lookup.match == LONG_MATCH
+    chance = auto.propose(text + [199, 198, 15, 16], auto.k_cap, greedy, rng).tokens  # only "15 16" repeats
+    assert chance == [17, 18, 19] and auto.lookup.match == 2
 
 
 def test_adaptive_turns_off_probes_and_comes_back() -> None:

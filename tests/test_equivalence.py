@@ -112,6 +112,25 @@ def test_greedy_lookup_and_auto(smollm2_path, smollm2_q4_0, method, tmp_path) ->
     assert rate > 0.2, f"{method} should find and keep drafts on repetitive text (acceptance {rate:.2f})"
 
 
+COPY = ("Copy this text exactly: The committee met on Tuesday to review the budget for the coming year. After a long "
+        "discussion, the members agreed to fund the new library, repair the old bridge, and hire two more teachers.")
+
+
+def test_greedy_long_lookup_guesses(smollm2_path, smollm2_q4_0) -> None:
+    """Where the answer copies the prompt, `auto` verifies lookup guesses longer than --draft-max (16-64 token
+    batches priced as cheap here), and the text is still the target's own, exactly (q8_0 cache)."""
+    costs = drafting_pays()
+    costs.long_sizes, costs.long_verify = [16, 32, 64], [0.03, 0.035, 0.045]
+    prompt = [{"role": "user", "content": COPY}]
+    with SpeculativeEngine.load(smollm2_path, smollm2_q4_0, costs=costs) as engine:
+        ref = engine.generate(prompt, GenerationSettings(max_tokens=60, method="autoregressive"))
+        got = engine.generate(prompt, GenerationSettings(max_tokens=60, method="auto", draft_max=3))
+    assert "committee met on Tuesday" in ref.text  # the target does copy
+    assert got.tokens == ref.tokens
+    assert len(got.stats.judged_at) > 3, "some lookup guess should have gone past --draft-max"
+    assert got.stats.target_passes < len(got.tokens) / 2
+
+
 def test_greedy_auto_draft_trees(tiny_target, tiny_draft, monkeypatch) -> None:
     """`auto`'s draft trees commit the target's own greedy text (an f32 pair: only near-ties may differ)."""
     monkeypatch.setattr(ModelDrafter, "reach_min", 0.9)  # a tree wherever the draft is not near-certain
