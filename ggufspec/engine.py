@@ -34,7 +34,7 @@ DRAFT_TREE_SEQUENCES = 8  # a target paired with a draft holds `auto`'s greedy d
 
 @dataclass
 class GenerationSettings:
-    """What to generate and how; `method` None picks vanilla when a draft is loaded."""
+    """What to generate and how; `method` None picks auto when a draft is loaded, medusa when heads are."""
 
     max_tokens: int = 256
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -190,7 +190,7 @@ class SpeculativeEngine:
 
     def method_for(self, s: GenerationSettings) -> Method:
         """The method `s` runs on this engine; GGUFSpecError when it needs a model this engine lacks."""
-        name = s.method or ("vanilla" if self.draft is not None else "medusa" if self.medusa else "autoregressive")
+        name = s.method or ("auto" if self.draft is not None else "medusa" if self.medusa else "autoregressive")
         return get_method(name, self.draft is not None, self.medusa is not None)
 
     def _run(self, prompt: Prompt, s: GenerationSettings) -> Iterator[GenerationResponse]:

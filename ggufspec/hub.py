@@ -51,12 +51,19 @@ class FileSpec:
 @dataclass(frozen=True)
 class Preset:
     name: str
-    target: FileSpec
+    target: FileSpec  # for GPU/Metal runs (layers offloaded), and for CPU runs when there is no cpu_target
     draft: FileSpec | None = None
     medusa: FileSpec | None = None
-    method: str = "vanilla"
+    method: str = "auto"
     draft_max: int = 4
     notes: dict = field(default_factory=dict)
+    # CPU-only runs: a quant whose batches verify cheaply on llama.cpp's CPU kernels (Q4_0, repacked), where
+    # a K-quant batch of 4 costs 1.6-2.6 single decodes and speculation barely pays (docs/cpu-kernels.md)
+    cpu_target: FileSpec | None = None
+
+    def target_for(self, gpu: bool) -> FileSpec:
+        """The target file for a run with layers offloaded (gpu) or on the CPU."""
+        return self.target if gpu or self.cpu_target is None else self.cpu_target
 
 
 @dataclass
@@ -86,7 +93,8 @@ def load_registry() -> dict[str, Preset]:
     for name, p in raw["presets"].items():
         out[name] = Preset(
             name=name, target=_spec(p["target"]), draft=_spec(p.get("draft")), medusa=_spec(p.get("medusa")),
-            method=p.get("method", "vanilla"), draft_max=int(p.get("draft_max", 4)), notes=p.get("notes", {}),
+            method=p.get("method", "auto"), draft_max=int(p.get("draft_max", 4)), notes=p.get("notes", {}),
+            cpu_target=_spec(p.get("cpu_target")),
         )
     return out
 
@@ -313,20 +321,20 @@ def fetch(spec: FileSpec, prefer_cache: bool = True) -> Path:
     return download(spec.repo, resolve_name(spec.repo, spec.pattern), spec.sha256, verify_cached=not prefer_cache)
 
 
-def resolve(preset: Preset, prefer_cache: bool = True) -> Resolved:
-    """Local paths of all of a preset's files, fetched as needed."""
+def resolve(preset: Preset, prefer_cache: bool = True, gpu: bool = False) -> Resolved:
+    """Local paths of a preset's files for a GPU/Metal or a CPU run, fetched as needed."""
     return Resolved(
-        preset, fetch(preset.target, prefer_cache),
+        preset, fetch(preset.target_for(gpu), prefer_cache),
         fetch(preset.draft, prefer_cache) if preset.draft else None,
         fetch(preset.medusa, prefer_cache) if preset.medusa else None,
     )
 
 
-def pull(spec: str) -> list[Path]:
+def pull(spec: str, gpu: bool = False) -> list[Path]:
     """`ggufspec pull PRESET|REPO[:PATTERN]`: download (or find in the cache) and verify; returns local paths."""
     repo, pattern = parse_spec(spec)
     if "/" not in repo:
-        r = resolve(get_preset(repo), prefer_cache=False)
+        r = resolve(get_preset(repo), prefer_cache=False, gpu=gpu)
         return [p for p in (r.target, r.draft, r.medusa) if p is not None]
     if pattern is None:
         pattern = "*.gguf"
@@ -352,7 +360,7 @@ def local_status(spec: FileSpec) -> tuple[bool, int]:
     return False, 0
 
 
-def status(preset: Preset) -> tuple[bool, int]:
-    """(every file available locally, total bytes on disk)."""
-    parts = [local_status(s) for s in (preset.target, preset.draft, preset.medusa) if s is not None]
+def status(preset: Preset, gpu: bool = False) -> tuple[bool, int]:
+    """(every file of a GPU/Metal or a CPU run available locally, total bytes on disk)."""
+    parts = [local_status(s) for s in (preset.target_for(gpu), preset.draft, preset.medusa) if s is not None]
     return all(ok for ok, _ in parts), sum(n for _, n in parts)

@@ -151,10 +151,32 @@ def test_generate_preset_from_the_cache(env, smollm2_path):
     # Both files of the preset are the 135M model here: enough to run the real path, cache to engine, offline.
     put(cache_of(env), "mradermacher/SmolLM2-1.7B-Instruct-GGUF", {"SmolLM2-1.7B-Instruct.Q4_K_M.gguf": smollm2_path})
     put(cache_of(env), "mradermacher/SmolLM2-135M-Instruct-GGUF", {"SmolLM2-135M-Instruct.Q8_0.gguf": smollm2_path})
-    r = run(env, "generate", "--preset", "smollm2-1.7b", "The capital of France is", "-n", "8", "--json", "-c", "256")
+    # the preset's method is auto, which rightly does not draft on this compute-bound target: ask for the draft
+    r = run(env, "generate", "--preset", "smollm2-1.7b", "The capital of France is", "-n", "8", "--json", "-c", "256",
+            "--method", "vanilla")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["stats"]["drafted"] > 0 and out["stats"]["accepted"] == out["stats"]["drafted"]  # same model twice
+
+
+def test_a_preset_runs_its_cpu_file_on_the_cpu_and_its_gpu_file_with_ngl(env, smollm2_path):
+    # the 135M model stands in for the preset's Q4_0 target and its draft; its Q4_K_M (GPU/Metal) file is not here
+    put(cache_of(env), "bartowski/Qwen2.5-7B-Instruct-GGUF", {"Qwen2.5-7B-Instruct-Q4_0.gguf": smollm2_path})
+    put(cache_of(env), "bartowski/Qwen2.5-0.5B-Instruct-GGUF", {"Qwen2.5-0.5B-Instruct-Q8_0.gguf": smollm2_path})
+
+    def row(*args: str) -> list[str]:
+        r = run(env, "models", *args)
+        assert r.returncode == 0, r.stderr
+        return next(line.split() for line in r.stdout.splitlines() if line.startswith("qwen2.5-7b "))
+
+    cpu, gpu = row(), row("--gpu")
+    assert cpu[1] == "auto" and cpu[2] == "yes" and "bartowski/Qwen2.5-7B-Instruct-GGUF:*-Q4_0.gguf" in cpu
+    assert gpu[2] == "no" and "bartowski/Qwen2.5-7B-Instruct-GGUF:*-Q4_K_M.gguf" in gpu
+    r = run(env, "generate", "--preset", "qwen2.5-7b", "The capital of France is", "-n", "4", "--json", "-c", "256")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["stats"]["method"] == "auto"
+    r = run(env, "generate", "--preset", "qwen2.5-7b", "The capital of France is", "-n", "4", "-ngl", "1")
+    assert r.returncode == 2 and "no file matches '*-Q4_K_M.gguf'" in r.stderr
 
 
 def test_demo_target_comes_from_the_hf_cache_when_present(env, smollm2_path):
