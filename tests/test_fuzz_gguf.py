@@ -23,7 +23,7 @@ import pytest
 from ggufspec.convert.medusa import load_medusa_gguf
 from ggufspec.errors import ModelFileError
 from ggufspec.gguf_check import read_header
-from ggufspec.medusa_heads import Heads
+from ggufspec.medusa.heads import Heads
 
 REPO = Path(__file__).resolve().parents[1]
 CASES = int(os.environ.get("GGUFSPEC_FUZZ_CASES", "600"))

@@ -19,8 +19,8 @@ from ggufspec.convert.medusa import convert_medusa
 from ggufspec.decoder import DecoderOptions
 from ggufspec.engine import GenerationSettings, SpeculativeEngine
 from ggufspec.errors import GGUFSpecError, ModelFileError
-from ggufspec.medusa_heads import Heads, medusa_decoder_options
-from ggufspec.medusa_train import save_checkpoint
+from ggufspec.medusa.heads import Heads, medusa_decoder_options
+from ggufspec.medusa.train import save_checkpoint
 from ggufspec.medusa_trees import TREES, TreeError, build_tree, fit_tree, load_tree, tree_accepted, walk
 from ggufspec.methods.medusa import medusa, walk_typical
 from ggufspec.sampling import SamplingParams, pick
@@ -371,8 +371,8 @@ def test_soft_labels_steer_the_heads(tiny_target, soft_weight) -> None:
     soft_weight 1 the heads predict T for a large share of positions (a ResBlock cannot cancel x, so not all);
     with 0 only the text's own tokens count, and T is never among them.
     """
-    from ggufspec.medusa_heads import target_lm_head
-    from ggufspec.medusa_train import Corpus, TrainConfig, collect_text, open_for_collection, train_heads, training_pairs
+    from ggufspec.medusa.heads import target_lm_head
+    from ggufspec.medusa.train import Corpus, TrainConfig, collect_text, open_for_collection, train_heads, training_pairs
 
     d = open_for_collection(tiny_target, 1, 256, threads=1)
     try:
@@ -401,8 +401,8 @@ def test_soft_labels_steer_the_heads(tiny_target, soft_weight) -> None:
 
 def test_medusa_tree_command_fits_a_tree_file(tiny_target, tmp_path) -> None:
     """`medusa tree` on data where head 0 is always right and head 1 never: one node, rank 0; usable by --tree."""
-    from ggufspec.medusa_heads import target_lm_head
-    from ggufspec.medusa_train import Corpus
+    from ggufspec.medusa.heads import target_lm_head
+    from ggufspec.medusa.train import Corpus
 
     lm = target_lm_head(tiny_target)
     zero = _write_heads(tmp_path / "zero.gguf", [[(np.zeros((H, H)), np.zeros(H))] for _ in range(2)])

@@ -16,7 +16,7 @@ from ggufspec.convert.medusa import load_medusa_gguf
 from ggufspec.decoder import DecoderOptions
 from ggufspec.engine import GenerationSettings, SpeculativeEngine
 from ggufspec.errors import GGUFSpecError
-from ggufspec.medusa_heads import CandidateVocabError, Heads, candidate_ids
+from ggufspec.medusa.heads import CandidateVocabError, Heads, candidate_ids
 
 H = TINY.n_embd
 

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ggufspec.medusa_heads import Heads, candidate_ids, special_ids
-from ggufspec.medusa_train import Corpus, chat_tokens, collect_generations, open_for_collection
+from ggufspec.medusa.heads import Heads, candidate_ids, special_ids
+from ggufspec.medusa.train import Corpus, chat_tokens, collect_generations, open_for_collection
 from ggufspec.medusa_trees import build_tree, load_tree
 
 

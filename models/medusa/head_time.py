@@ -17,7 +17,7 @@ import numpy as np
 
 from ggufspec.convert.medusa import MedusaHeads
 from ggufspec.decoder import DecoderOptions, LlamaCppDecoder, default_threads
-from ggufspec.medusa_heads import Heads, candidate_ids, special_ids
+from ggufspec.medusa.heads import Heads, candidate_ids, special_ids
 from ggufspec.medusa_trees import load_tree
 
 
@@ -52,7 +52,7 @@ def main() -> None:
     if a.heads:
         heads = Heads.load(a.heads, a.target, d.n_embd, d.n_vocab)
         from ggufspec.convert.medusa import load_medusa_gguf
-        from ggufspec.medusa_heads import target_lm_head
+        from ggufspec.medusa.heads import target_lm_head
         raw = load_medusa_gguf(a.heads)
         lm = target_lm_head(a.target) if raw.lm_heads is None else None
     else:

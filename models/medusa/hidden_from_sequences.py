@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 from ggufspec.decoder import DecoderOptions, LlamaCppDecoder
-from ggufspec.medusa_train import Corpus
+from ggufspec.medusa.train import Corpus
 
 def sequences(path: str, whole: bool) -> list[tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]]:
     """(where the kept part starts, tokens, the target's top-16 ids and logits, hidden states or None) per

@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 from gguf import GGUFReader, quants
 
-from .convert.medusa import MedusaHeads, load_medusa_gguf
-from .decoder import DecoderOptions
-from .errors import GGUFSpecError, ModelFileError
+from ..convert.medusa import MedusaHeads, load_medusa_gguf
+from ..decoder import DecoderOptions
+from ..errors import GGUFSpecError, ModelFileError
 
 TREE_SEQUENCES = 64  # n_seq_max for Medusa contexts: trees of up to 63 leaves (the 63-node tree has 42)
 

@@ -17,12 +17,12 @@ from typing import Callable, Iterable
 import llama_cpp
 import numpy as np
 
-from .chat import chat_tokens as _chat_tokens
-from .decoder import DecoderOptions, LlamaCppDecoder
-from .errors import GGUFSpecError
-from .llama_batch import Batch
-from .medusa_heads import Heads
-from .medusa_trees import fit_tree, tree_accepted
+from ..chat import chat_tokens as _chat_tokens
+from ..decoder import DecoderOptions, LlamaCppDecoder
+from ..errors import GGUFSpecError
+from ..llama_batch import Batch
+from ..medusa_trees import fit_tree, tree_accepted
+from .heads import Heads
 
 Progress = Callable[[str], None]
 
