@@ -13,7 +13,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 
 from .decoder import Decoder
-from .medusa_trees import Tree, build_tree
+from .trees import Tree, build_tree
 from .sampling import SamplingParams, probabilities, sample, softmax
 
 # A greedy draft tree follows the draft's best guesses while the draft itself gives the whole chain at

@@ -21,7 +21,7 @@ from .gguf_check import read_header
 from .memory import check_memory
 from .methods import METHODS, Step
 from .medusa.heads import Heads, medusa_decoder_options, special_ids
-from .medusa_trees import build_tree, load_tree
+from .trees import build_tree, load_tree
 from .methods.autoregressive import autoregressive
 from .methods.medusa import medusa
 from .methods.speculative import speculative

@@ -19,11 +19,12 @@ from ggufspec.convert.medusa import convert_medusa
 from ggufspec.decoder import DecoderOptions
 from ggufspec.engine import GenerationSettings, SpeculativeEngine
 from ggufspec.errors import GGUFSpecError, ModelFileError
+from ggufspec.medusa.fit import fit_tree, tree_accepted
 from ggufspec.medusa.heads import Heads, medusa_decoder_options
 from ggufspec.medusa.train import save_checkpoint
-from ggufspec.medusa_trees import TREES, TreeError, build_tree, fit_tree, load_tree, tree_accepted, walk
 from ggufspec.methods.medusa import medusa, walk_typical
 from ggufspec.sampling import SamplingParams, pick
+from ggufspec.trees import TREES, TreeError, build_tree, load_tree, walk
 
 H = TINY.n_embd
 V = 49152

@@ -38,7 +38,7 @@ from ggufspec.convert.checkpoint import TensorRef, open_tensor_file
 from ggufspec.convert.writing import OUT_TYPES, PlannedTensor, storage_type, write_gguf
 from ggufspec.errors import ConversionError, ModelFileError
 from ggufspec.gguf_check import read_header
-from ggufspec.medusa_trees import TreeError, build_tree
+from ggufspec.trees import TreeError, build_tree
 
 ARCH = "medusa"
 KEY_VERSION = "medusa.version"

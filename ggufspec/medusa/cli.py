@@ -50,11 +50,12 @@ def train_cmd(target: Path, out: Path, prompts: Path | None, text_file: Path | N
               checkpoint_dir: Path | None, threads: int | None) -> None:
     """Collect hidden states of TARGET, train Medusa heads on them, and write the heads to OUT (GGUF)."""
     from ..convert.medusa import MedusaHeads, convert_medusa
-    from ..medusa_trees import DEFAULT_TREE, TREES, tree_accepted
+    from ..trees import DEFAULT_TREE, TREES
+    from .fit import fit_heads_tree, tree_accepted
     from .heads import Heads, target_lm_head
     from .train import (
-        Corpus, TrainConfig, chat_tokens, collect_generations, collect_text, fit_heads_tree, held_out,
-        open_for_collection, read_prompts, save_checkpoint, train_heads, training_pairs,
+        Corpus, TrainConfig, chat_tokens, collect_generations, collect_text, held_out, open_for_collection,
+        read_prompts, save_checkpoint, train_heads, training_pairs,
     )
 
     say = _printer()
@@ -120,9 +121,10 @@ def tree_cmd(target: Path, heads_path: Path, data: Path, out: Path, nodes: int) 
     """Fit a candidate tree to HEADS on the answers in DATA (a `medusa train --data` cache) and write it to OUT
     (JSON, for `generate --tree OUT`). Use answers the heads were not trained on."""
     from ..gguf_check import read_header
-    from ..medusa_trees import DEFAULT_TREE, TREES, tree_accepted
+    from ..trees import DEFAULT_TREE, TREES
+    from .fit import fit_heads_tree, tree_accepted
     from .heads import Heads
-    from .train import Corpus, fit_heads_tree, training_pairs
+    from .train import Corpus, training_pairs
 
     meta = read_header(target).metadata
     n_embd = int(meta.get(f"{meta.get('general.architecture')}.embedding_length", 0))

@@ -21,8 +21,6 @@ from ..chat import chat_tokens as _chat_tokens
 from ..decoder import DecoderOptions, LlamaCppDecoder
 from ..errors import GGUFSpecError
 from ..llama_batch import Batch
-from ..medusa_trees import fit_tree, tree_accepted
-from .heads import Heads
 
 Progress = Callable[[str], None]
 
@@ -286,21 +284,6 @@ def held_out_size(n: int, cfg: TrainConfig) -> int:
 def held_out(data: Pairs, cfg: TrainConfig) -> np.ndarray:
     """The samples train_heads kept out of training with this config (the same split, from the same seed)."""
     return _split(data, held_out_size(len(data.rows), cfg), np.random.default_rng(cfg.seed))[0]
-
-
-def fit_heads_tree(heads: Heads, data: Pairs, samples: np.ndarray, n_nodes: int = 63, max_rank: int = 64,
-                   batch: int = 128) -> tuple[list[list[int]], float, np.ndarray]:
-    """The candidate tree of n_nodes choices the heads would have got accepted most often at `samples`
-    (greedy text), the draft tokens it accepts there per pass, and the heads' ranks it was fitted on."""
-    if data.labels.shape[1] < heads.n_heads:
-        raise GGUFSpecError(f"the data has labels for {data.labels.shape[1]} heads, the head set has {heads.n_heads}")
-    samples = np.sort(samples)
-    ranks = np.concatenate([
-        heads.ranks(data.hidden[data.rows[i]], data.labels[i, : heads.n_heads], max_rank)
-        for i in np.array_split(samples, max(1, len(samples) // batch))
-    ])
-    choices = fit_tree(ranks, n_nodes)
-    return choices, tree_accepted(ranks, choices), ranks
 
 
 def train_heads(

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..decoder import Decoder
 from ..medusa.heads import Heads
-from ..medusa_trees import Tree, walk
+from ..trees import Tree, walk
 from ..sampling import SamplingParams, pick, probabilities
 from . import Step
 

@@ -18,7 +18,7 @@ import numpy as np
 from ggufspec.convert.medusa import MedusaHeads
 from ggufspec.decoder import DecoderOptions, LlamaCppDecoder, default_threads
 from ggufspec.medusa.heads import Heads, candidate_ids, special_ids
-from ggufspec.medusa_trees import load_tree
+from ggufspec.trees import load_tree
 
 
 def random_heads(n: int, hidden: int, vocab: int, version: int) -> Heads:
