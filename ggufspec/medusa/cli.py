@@ -49,10 +49,10 @@ def train_cmd(target: Path, out: Path, prompts: Path | None, text_file: Path | N
               weight_decay: float, soft_weight: float, tree_nodes: int, own_lm_head: bool, outtype: str,
               checkpoint_dir: Path | None, threads: int | None) -> None:
     """Collect hidden states of TARGET, train Medusa heads on them, and write the heads to OUT (GGUF)."""
-    from ..convert.medusa import MedusaHeads, convert_medusa
+    from ..convert.medusa import convert_medusa
     from ..trees import DEFAULT_TREE, TREES
     from .fit import fit_heads_tree, tree_accepted
-    from .heads import Heads, target_lm_head
+    from .heads import Heads, MedusaHeads, target_lm_head
     from .train import (
         Corpus, TrainConfig, chat_tokens, collect_generations, collect_text, held_out, open_for_collection,
         read_prompts, save_checkpoint, train_heads, training_pairs,
