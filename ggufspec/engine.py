@@ -20,7 +20,8 @@ from .errors import ContextLengthError, GGUFSpecError
 from .gguf_check import read_header
 from .memory import check_memory
 from .methods import METHODS, Step
-from .medusa.heads import Heads, medusa_decoder_options, special_ids
+from .medusa.candidates import special_ids
+from .medusa.heads import Heads, medusa_decoder_options
 from .trees import build_tree, load_tree
 from .methods.autoregressive import autoregressive
 from .methods.medusa import medusa

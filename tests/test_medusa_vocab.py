@@ -15,7 +15,8 @@ from ggufspec.cli import main
 from ggufspec.decoder import DecoderOptions
 from ggufspec.engine import GenerationSettings, SpeculativeEngine
 from ggufspec.errors import GGUFSpecError
-from ggufspec.medusa.heads import CandidateVocabError, Heads, candidate_ids, load_medusa_gguf
+from ggufspec.medusa.candidates import CandidateVocabError, candidate_ids
+from ggufspec.medusa.heads import Heads, load_medusa_gguf
 
 H = TINY.n_embd
 

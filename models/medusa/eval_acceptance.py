@@ -24,7 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ggufspec.medusa.heads import Heads, candidate_ids, special_ids
+from ggufspec.medusa.candidates import candidate_ids, special_ids
+from ggufspec.medusa.heads import Heads
 from ggufspec.medusa.train import Corpus, chat_tokens, collect_generations, open_for_collection
 from ggufspec.trees import build_tree, load_tree
 

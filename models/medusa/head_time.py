@@ -16,7 +16,8 @@ import ggufspec  # noqa: F401  (first: it sets OpenBLAS's thread timeout before 
 import numpy as np
 
 from ggufspec.decoder import DecoderOptions, LlamaCppDecoder, default_threads
-from ggufspec.medusa.heads import Heads, MedusaHeads, candidate_ids, special_ids
+from ggufspec.medusa.candidates import candidate_ids, special_ids
+from ggufspec.medusa.heads import Heads, MedusaHeads
 from ggufspec.trees import load_tree
 
 
