@@ -69,6 +69,45 @@ def lm_head_name(head: int) -> str:
     return f"medusa.{head}.lm_head.weight"
 
 
+@dataclass(frozen=True)
+class ResBlocks:
+    """Every head's ResBlocks stacked per layer (float32): w[j] [heads, H, H] and b[j] [heads, H] for layer j;
+    layer 0 also as one [H, heads * H] matrix w0_t, so h @ w0_t gives all heads' first products at once."""
+
+    n_heads: int
+    hidden: int
+    w: list[np.ndarray]
+    b: list[np.ndarray]
+    w0_t: np.ndarray | None  # None: no layers, each head passes h through
+
+    @classmethod
+    def stack(cls, res: list[list[tuple[np.ndarray, np.ndarray]]], hidden: int) -> ResBlocks:
+        """From per-head lists of (W, b), as `MedusaHeads.res` holds them."""
+        n_heads, layers = len(res), len(res[0])
+        w = [np.stack([res[i][j][0] for i in range(n_heads)]).astype(np.float32) for j in range(layers)]
+        b = [np.stack([res[i][j][1] for i in range(n_heads)]).astype(np.float32) for j in range(layers)]
+        w0_t = np.ascontiguousarray(w[0].reshape(-1, hidden).T) if layers else None
+        return cls(n_heads, hidden, w, b, w0_t)
+
+    def __call__(self, h: np.ndarray, pre: list[np.ndarray] | None = None) -> np.ndarray:
+        """Every head's output hidden state [..., heads, H] for base hidden states h [..., H], in float32; each
+        layer's pre-activation W x + b [..., heads, H] is appended to `pre` when given (training's backward pass)."""
+        h = np.asarray(h, dtype=np.float32)
+        lead = h.shape[:-1]
+        if self.w0_t is None:
+            return np.broadcast_to(h[..., None, :], (*lead, self.n_heads, self.hidden)).copy()
+        z = (h @ self.w0_t).reshape(*lead, self.n_heads, self.hidden) + self.b[0]
+        x = h[..., None, :] + z / (1.0 + np.exp(-z))
+        if pre is not None:
+            pre.append(z)
+        for w, b in zip(self.w[1:], self.b[1:]):
+            z = np.matmul(w, x[..., None])[..., 0] + b
+            x = x + z / (1.0 + np.exp(-z))
+            if pre is not None:
+                pre.append(z)
+        return x
+
+
 @dataclass
 class MedusaHeads:
     """A Medusa head set loaded from GGUF as float32 arrays."""
@@ -87,14 +126,8 @@ class MedusaHeads:
 
     def hidden_states(self, h: np.ndarray) -> list[np.ndarray]:
         """Each head's output hidden state for base hidden states h ([..., hidden])."""
-        outs = []
-        for blocks in self.res:
-            x = h.astype(np.float32)
-            for w, b in blocks:
-                z = x @ w.T + b
-                x = x + z / (1.0 + np.exp(-z))
-            outs.append(x)
-        return outs
+        x = ResBlocks.stack(self.res, self.hidden)(h)
+        return [x[..., i, :] for i in range(self.heads)]
 
     def logits(self, h: np.ndarray, base_lm_head: np.ndarray | None = None) -> list[np.ndarray]:
         """Each head's logits; v2 heads need the base model's LM head ([vocab, hidden])."""
@@ -188,11 +221,7 @@ class Heads:
     def __init__(self, heads: MedusaHeads, lm_head: np.ndarray | None = None, ids: np.ndarray | None = None) -> None:
         self.n_heads, self.hidden, self.version = heads.heads, heads.hidden, heads.version
         self.choices = heads.choices  # the tree fitted to these heads (used when no other is asked for), or None
-        layers = len(heads.res[0])
-        # w[j]: [heads, H, H] for ResBlock j of every head; layer 0 also as one [heads*H, H] matrix.
-        self.w = [np.stack([heads.res[i][j][0] for i in range(self.n_heads)]).astype(np.float32) for j in range(layers)]
-        self.b = [np.stack([heads.res[i][j][1] for i in range(self.n_heads)]).astype(np.float32) for j in range(layers)]
-        self.w0_t = np.ascontiguousarray(self.w[0].reshape(-1, self.hidden).T) if layers else None
+        self.blocks = ResBlocks.stack(heads.res, self.hidden)
         self.ids = None if ids is None else np.asarray(ids, dtype=np.int64)
         rows = slice(None) if self.ids is None else self.ids
         if heads.lm_heads is not None:
@@ -237,16 +266,7 @@ class Heads:
 
     def states(self, h: np.ndarray) -> np.ndarray:
         """Every head's output hidden state [..., heads, H] for base hidden states h [..., H]."""
-        h = np.asarray(h, dtype=np.float32)
-        lead = h.shape[:-1]
-        if self.w0_t is None:
-            return np.broadcast_to(h[..., None, :], (*lead, self.n_heads, self.hidden)).copy()
-        z = (h @ self.w0_t).reshape(*lead, self.n_heads, self.hidden) + self.b[0]
-        x = h[..., None, :] + z / (1.0 + np.exp(-z))
-        for w, b in zip(self.w[1:], self.b[1:]):
-            z = np.matmul(w, x[..., None])[..., 0] + b
-            x = x + z / (1.0 + np.exp(-z))
-        return x
+        return self.blocks(h)
 
     def logits(self, h: np.ndarray, n: int | None = None) -> np.ndarray:
         """The first n (default all) heads' logits [..., n, N] for base hidden states h [..., H]: one column

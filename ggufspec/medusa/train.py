@@ -21,6 +21,7 @@ from ..chat import chat_tokens as _chat_tokens
 from ..decoder import DecoderOptions, LlamaCppDecoder
 from ..errors import GGUFSpecError
 from ..llama_batch import Batch
+from .heads import ResBlocks
 
 Progress = Callable[[str], None]
 
@@ -302,17 +303,21 @@ def train_heads(
     valid = valid[: cfg.valid_samples]
     w = np.zeros((k * hidden, hidden), dtype=np.float32)  # all heads' ResBlocks stacked: one matmul
     b = np.zeros(k * hidden, dtype=np.float32)
+    # views of w and b, which the optimiser updates in place
+    stacked = ResBlocks(k, hidden, [w.reshape(k, hidden, hidden)], [b.reshape(k, hidden)], w.T)
     opt = _Adam([w, b], cfg.lr, cfg.weight_decay)
     history: dict[str, list[float]] = {"loss": [], **{f"top1_head{i}": [] for i in range(k)}}
     t0 = time.perf_counter()
 
-    def forward(xb: np.ndarray):
-        z = (xb @ w.T + b).reshape(len(xb), k, hidden)
-        s = 1.0 / (1.0 + np.exp(-z))
-        return z, s, xb[:, None, :] + z * s
+    def forward(xb: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Pre-activations z, their sigmoid and the heads' outputs [B, k, H], for the backward pass."""
+        pre: list[np.ndarray] = []
+        out = stacked(xb, pre)
+        z = pre[0]
+        return z, 1.0 / (1.0 + np.exp(-z)), out
 
     def accuracy(idx: np.ndarray) -> list[float]:
-        out = forward(hid[data.rows[idx]].astype(np.float32))[2]
+        out = stacked(hid[data.rows[idx]].astype(np.float32))
         y = data.labels[idx]
         pred = np.stack([(out[:, i] @ lm_head.T).argmax(-1) for i in range(k)], axis=1)
         return (((pred == y) & (y >= 0)).sum(0) / np.maximum((y >= 0).sum(0), 1)).tolist()
