@@ -268,14 +268,9 @@ class LlamaCppDecoder:
         return rows[0] if len(rows) == 1 else np.concatenate(rows)
 
     def _decode(self, tokens: Sequence[int], all_logits: bool) -> None:
-        ctx = self._require_ctx()
+        self._require_ctx()
         self._batch.fill(tokens, len(self.history), all_logits)
-        t0 = time.perf_counter()
-        self._unrecorded = True
-        rc = llama_cpp.llama_decode(ctx, self._batch.struct)
-        self.decode_seconds += time.perf_counter() - t0
-        self.n_decodes += 1
-        self.n_decoded_tokens += len(tokens)
+        rc = self._run_batch(len(tokens))
         if rc != 0:
             # llama.cpp leaves no partial batch in the KV on failure; the history stays as it was.
             raise GGUFSpecError(f"llama_decode failed with code {rc} at position {len(self.history)}")
@@ -283,6 +278,17 @@ class LlamaCppDecoder:
         self._unrecorded = False
         self._n_out = len(tokens) if all_logits else 1
         self._skip = 0
+
+    def _run_batch(self, n_tokens: int) -> int:
+        """llama_decode of the filled batch, timed and counted; its return code. Until the caller records the
+        tokens, the cache may hold cells the history does not (see rollback_to)."""
+        t0 = time.perf_counter()
+        self._unrecorded = True
+        rc = llama_cpp.llama_decode(self._ctx, self._batch.struct)
+        self.decode_seconds += time.perf_counter() - t0
+        self.n_decodes += 1
+        self.n_decoded_tokens += n_tokens
+        return rc
 
     def _logits(self, n_rows: int, view: bool = False) -> np.ndarray:
         ptr = llama_cpp.llama_get_logits(self._ctx)
@@ -388,12 +394,7 @@ class LlamaCppDecoder:
         for s in range(1, tree.n_leaves + 1):
             llama_cpp.llama_memory_seq_cp(mem, 0, s, -1, -1)
         self._batch.fill_tree(tokens, [base + d for d in tree.depth], tree.seq_ids)
-        t0 = time.perf_counter()
-        self._unrecorded = True
-        rc = llama_cpp.llama_decode(self._ctx, self._batch.struct)
-        self.decode_seconds += time.perf_counter() - t0
-        self.n_decodes += 1
-        self.n_decoded_tokens += len(tokens)
+        rc = self._run_batch(len(tokens))
         self._batch.reset_sequences(len(tokens))
         if rc != 0:
             for s in range(1, tree.n_leaves + 1):
