@@ -447,6 +447,52 @@ class LlamaCppDecoder:
             self._deferred = self._tree_pre
             self._tree, self._tree_pre = None, []
 
+    # --- independent sequences -------------------------------------------------------------
+
+    def decode_sequences(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[int],
+                         view: bool = False) -> np.ndarray:
+        """Decode tokens of independent sequences in one batch, token i at positions[i] of sequence seq_ids[i];
+        logits (n, V) of every token (hidden_states() gives theirs after it).
+
+        Runs outside the history, for several sequences in one context (e.g. answers generated side by side):
+        the history must be empty, seq_ids below n_seq_max; clear_sequence frees one sequence, reset() all.
+        view=True: a read-only view of llama.cpp's buffer, valid only until this decoder's next decode.
+        """
+        self._require_ctx()
+        self._end_tree()
+        self._require_no_history("decode_sequences")
+        n = len(tokens)
+        if n == 0 or len(positions) != n or len(seq_ids) != n:
+            raise ValueError(f"decode_sequences needs tokens, positions and seq_ids of one length >= 1, "
+                             f"got {n}, {len(positions)} and {len(seq_ids)}")
+        if not all(0 <= s < self.options.n_seq_max for s in seq_ids):
+            raise ValueError(f"sequence ids must be in 0..{self.options.n_seq_max - 1} (n_seq_max), got {sorted(set(seq_ids))}")
+        if n > self._batch.capacity:
+            raise GGUFSpecError(f"a batch of {n} tokens needs n_batch >= {n}, this context has {self._batch.capacity}")
+        self._batch.fill_tree(tokens, positions, [[s] for s in seq_ids])
+        rc = self._run_batch(n)  # the cells stay unrecorded: not the history's, rollback_to(0) drops them too
+        self._batch.reset_sequences(n)
+        if rc != 0:
+            raise GGUFSpecError(f"llama_decode failed with code {rc} on a batch of {n} tokens in sequences "
+                                f"{sorted(set(seq_ids))} (raise n_ctx?)")
+        self._n_out, self._skip = n, 0
+        return self._logits(n, view)
+
+    def clear_sequence(self, seq_id: int) -> None:
+        """Drop every KV entry of sequence seq_id (filled by decode_sequences; the history must be empty)."""
+        self._require_no_history("clear_sequence")
+        llama_cpp.llama_memory_seq_rm(self._mem_checked(), seq_id, -1, -1)
+
+    def kv_positions(self, seq_id: int = 0) -> tuple[int, int]:
+        """Lowest and highest position the KV cache holds for sequence seq_id, (-1, -1) when none; sequence 0
+        holds the history."""
+        mem = self._mem_checked()
+        return llama_cpp.llama_memory_seq_pos_min(mem, seq_id), llama_cpp.llama_memory_seq_pos_max(mem, seq_id)
+
+    def _require_no_history(self, what: str) -> None:
+        if self.history:
+            raise GGUFSpecError(f"{what} runs outside the history, which holds {len(self.history)} tokens: reset() first")
+
     # --- lifetime -------------------------------------------------------------------------
 
     def _require_ctx(self):

@@ -14,13 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
-import llama_cpp
 import numpy as np
 
 from ..chat import chat_tokens as _chat_tokens
 from ..decoder import DecoderOptions, LlamaCppDecoder
 from ..errors import GGUFSpecError
-from ..llama_batch import Batch
 from .heads import ResBlocks
 
 Progress = Callable[[str], None]
@@ -83,11 +81,9 @@ def collect_generations(
 ) -> Corpus:
     """The target's greedy answers, `n_parallel` sequences per llama.cpp batch (one slot per sequence id).
 
-    Needs a decoder opened with embeddings=True, n_seq_max >= n_parallel and room in n_ctx for
-    n_parallel whole sequences. Drives the context directly: the Decoder API has one history only.
+    Needs a decoder opened with embeddings=True, n_seq_max >= n_parallel, n_batch >= the longest prompt
+    and room in n_ctx for n_parallel whole sequences; its history must be empty, and is again after.
     """
-    ctx, mem = target._ctx, target._mem  # noqa: SLF001 - several independent sequences in one context
-    batch = Batch(max(n_parallel, max(len(p) for p in prompts)), n_parallel)
     queue = list(enumerate(prompts))
     slots: dict[int, tuple[list[int], list[np.ndarray], int, int, int]] = {}  # seq -> tokens, hidden, pos, new, prompt
     done: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -95,20 +91,15 @@ def collect_generations(
     t0, done_tokens = time.perf_counter(), 0
 
     def decode(tokens: list[int], positions: list[int], seqs: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        batch.fill_tree(tokens, positions, [[s] for s in seqs])
-        if llama_cpp.llama_decode(ctx, batch.struct) != 0:
-            raise GGUFSpecError("llama_decode failed while collecting training data (raise n_ctx?)")
-        n = len(tokens)
-        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits(ctx), shape=(n, target.n_vocab))
-        hidden = np.ctypeslib.as_array(llama_cpp.llama_get_embeddings(ctx), shape=(n, target.n_embd))
-        return logits.argmax(-1), hidden.astype(np.float16)
+        best = target.decode_sequences(tokens, positions, seqs, view=True).argmax(-1)
+        return best, target.hidden_states().astype(np.float16)
 
     try:
         while queue or slots:
             for s in range(n_parallel):
                 if s not in slots and queue:
                     i, p = queue.pop(0)
-                    llama_cpp.llama_memory_seq_rm(mem, s, -1, -1)
+                    target.clear_sequence(s)
                     best, hid = decode(p, list(range(len(p))), [s] * len(p))
                     slots[s] = ([p[-1], int(best[-1])], [hid[-1]], len(p), 1, i)
             seqs = sorted(slots)
@@ -127,8 +118,7 @@ def collect_generations(
                     toks.append(int(best[row]))
                     slots[s] = (toks, hs, pos + 1, new + 1, i)
     finally:
-        batch.close()
-        llama_cpp.llama_memory_clear(mem, True)
+        target.reset()
     return Corpus([done[i][0] for i in sorted(done)], [done[i][1] for i in sorted(done)])
 
 
