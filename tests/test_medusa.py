@@ -249,6 +249,28 @@ def test_heads_for_another_hidden_size_or_vocab_are_refused(tiny_target, tmp_pat
     assert r.exit_code == 2 and "hidden size 128" in r.output
 
 
+def test_memory_check_counts_the_output_matrix_v2_heads_copy(tiny_target, random_heads, tmp_path, monkeypatch) -> None:
+    """v2 heads with the whole vocabulary keep a float32 copy of the target's output matrix, so the engine's
+    memory check counts it; v1 heads (their own LM heads) and a restricted vocabulary keep none of it."""
+    from ggufspec import memory
+    from ggufspec.gguf_check import read_header
+    from ggufspec.medusa.heads import heads_memory
+
+    header = read_header(tiny_target)
+    assert [n for _, n in heads_memory(random_heads, header)] == [V * H * 4]
+    assert heads_memory(random_heads, header, 4096) == []
+    rng = np.random.default_rng(4)
+    v1 = _write_heads(tmp_path / "v1.gguf", _random_blocks(rng, 2, 1, H, 0.1), [rng.normal(0, 1, (V, H)) for _ in range(2)],
+                      outtype="f16")
+    assert heads_memory(v1, header) == []
+    options = DecoderOptions(n_ctx=1024, n_threads=2)
+    need = memory.needed_bytes(header, options.n_ctx, options.cache_type)
+    monkeypatch.setattr(memory, "available_bytes", lambda: need + V * H * 2)  # the model fits, the copy does not
+    with pytest.raises(GGUFSpecError, match="not enough memory.*output matrix"):
+        SpeculativeEngine.load(tiny_target, options=options, medusa_path=random_heads)
+    SpeculativeEngine.load(tiny_target, options=options, medusa_path=random_heads, medusa_vocab=4096).close()
+
+
 # --- trees --------------------------------------------------------------------------------
 
 

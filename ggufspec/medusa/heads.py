@@ -31,16 +31,17 @@ GGUF layout of a Medusa head set (`ggufspec convert medusa` writes it, `load_med
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-from gguf import GGUFReader, quants
+from gguf import GGMLQuantizationType, GGUFReader, quants
 
 from ..errors import ModelFileError
-from ..gguf_check import read_header
+from ..gguf_check import GGUFHeader, TensorInfo, read_header
 from ..trees import TreeError, build_tree
 from .candidates import CandidateVocabError, Candidates, candidate_ids
 
@@ -199,17 +200,36 @@ def medusa_decoder_options(options: DecoderOptions) -> DecoderOptions:
 
 
 def target_lm_head(target_path: str | Path) -> np.ndarray:
-    """The target GGUF's output matrix [vocab, hidden] as float32 (the token embeddings when tied)."""
-    try:
-        reader = GGUFReader(target_path)
-    except (OSError, ValueError) as e:
-        raise ModelFileError(f"{target_path}: cannot read as GGUF ({e})") from e
-    tensors = {t.name: t for t in reader.tensors}
-    t = tensors.get("output.weight") or tensors.get("token_embd.weight")
+    """The target GGUF's output matrix [vocab, hidden] as float32 (the token embeddings when tied); only that
+    tensor is read, memory-mapped, after read_header's bounds checks."""
+    header = read_header(target_path)
+    t = _lm_head_tensor(header)
     if t is None:
         raise ModelFileError(f"{target_path}: has neither output.weight nor token_embd.weight for Medusa v2 heads")
-    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-    return np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+    shape = tuple(reversed(t.shape))  # numpy order: [vocab, hidden]
+    try:
+        qtype = GGMLQuantizationType(t.type)
+        data = np.memmap(Path(target_path).expanduser(), dtype=np.uint8, mode="r", offset=header.data_start + t.offset,
+                         shape=quants.quant_shape_to_byte_shape(shape, qtype))
+        return np.asarray(quants.dequantize(data, qtype), dtype=np.float32).reshape(shape)
+    except (OSError, ValueError, NotImplementedError) as e:  # NotImplementedError: gguf-py cannot dequantize the type
+        raise ModelFileError(f"{target_path}: cannot read {t.name} ({type(e).__name__}: {e})") from None
+
+
+def heads_memory(heads_path: str | Path, target: GGUFHeader, candidates: Candidates | None = None) -> list[tuple[str, int]]:
+    """RAM Heads.load adds beyond the GGUF files, as (what, bytes) for check_memory: the float32 [hidden, vocab]
+    copy of the target's output matrix that v2 heads keep with the whole vocabulary; nothing for v1 heads or a
+    restricted candidate vocabulary."""
+    if candidates is not None or read_header(heads_path).metadata.get(KEY_VERSION) == 1:
+        return []
+    t = _lm_head_tensor(target)
+    return [] if t is None else [("Medusa heads' float32 copy of the output matrix", 4 * math.prod(t.shape))]
+
+
+def _lm_head_tensor(header: GGUFHeader) -> TensorInfo | None:
+    """The tensor v2 heads share: the target's output matrix, or its token embeddings when they are tied."""
+    tensors = {t.name: t for t in header.tensors}
+    return tensors.get("output.weight") or tensors.get("token_embd.weight")
 
 
 class Heads:
