@@ -67,7 +67,7 @@ def demo_heads() -> Path:
     """The heads trained for SmolLM2-135M-Instruct that ship in models/demo (good guesses: paths get accepted)."""
     found = sorted((Path(__file__).resolve().parents[1] / "models" / "demo").glob("*medusa*.gguf"))
     if not found:
-        pytest.fail("models/demo/*medusa*.gguf is missing: see models/medusa/README.md to train it")
+        pytest.fail("models/demo/*medusa*.gguf is missing: see scripts/medusa/README.md to train it")
     return found[0]
 
 

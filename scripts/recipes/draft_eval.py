@@ -6,7 +6,7 @@ from (a) the target's greedy continuation of each prompt and (b) the draft's gre
 of that text: one batched generation of the target (kept in --ref, reused for every draft) and one prefill of the
 draft per prompt. `--engine N` replays the first N prompts through SpeculativeEngine as a cross-check.
 
-    nice -n 19 python models/recipes/draft_eval.py TARGET.gguf DRAFT.gguf --ref .cache/draft/ref.npz --engine 4
+    nice -n 19 python scripts/recipes/draft_eval.py TARGET.gguf DRAFT.gguf --ref .cache/draft/ref.npz --engine 4
 """
 
 from __future__ import annotations
