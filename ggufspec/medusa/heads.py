@@ -193,6 +193,7 @@ def _read_medusa(path: Path) -> MedusaHeads:
 
 TREE_SEQUENCES = 64  # n_seq_max for Medusa contexts: trees of up to 63 leaves (the 63-node tree has 42)
 
+
 def medusa_decoder_options(options: DecoderOptions) -> DecoderOptions:
     """Target context settings for Medusa: hidden states on, room for a tree's sequences in one micro-batch."""
     return replace(options, embeddings=True, n_seq_max=max(options.n_seq_max, TREE_SEQUENCES),
@@ -216,7 +217,8 @@ def target_lm_head(target_path: str | Path) -> np.ndarray:
         raise ModelFileError(f"{target_path}: cannot read {t.name} ({type(e).__name__}: {e})") from None
 
 
-def heads_memory(heads_path: str | Path, target: GGUFHeader, candidates: Candidates | None = None) -> list[tuple[str, int]]:
+def heads_memory(heads_path: str | Path, target: GGUFHeader,
+                 candidates: Candidates | None = None) -> list[tuple[str, int]]:
     """RAM Heads.load adds beyond the GGUF files, as (what, bytes) for check_memory: the float32 [hidden, vocab]
     copy of the target's output matrix that v2 heads keep with the whole vocabulary; nothing for v1 heads or a
     restricted candidate vocabulary."""
