@@ -451,7 +451,7 @@ def _register_converters() -> None:
 
 
 _register_converters()
-from .medusa_cli import medusa  # noqa: E402  (the `ggufspec medusa train` group)
+from .medusa.cli import medusa  # noqa: E402  (the `ggufspec medusa train` group)
 main.add_command(medusa)
 
 if __name__ == "__main__":

@@ -268,14 +268,9 @@ class LlamaCppDecoder:
         return rows[0] if len(rows) == 1 else np.concatenate(rows)
 
     def _decode(self, tokens: Sequence[int], all_logits: bool) -> None:
-        ctx = self._require_ctx()
+        self._require_ctx()
         self._batch.fill(tokens, len(self.history), all_logits)
-        t0 = time.perf_counter()
-        self._unrecorded = True
-        rc = llama_cpp.llama_decode(ctx, self._batch.struct)
-        self.decode_seconds += time.perf_counter() - t0
-        self.n_decodes += 1
-        self.n_decoded_tokens += len(tokens)
+        rc = self._run_batch(len(tokens))
         if rc != 0:
             # llama.cpp leaves no partial batch in the KV on failure; the history stays as it was.
             raise GGUFSpecError(f"llama_decode failed with code {rc} at position {len(self.history)}")
@@ -283,6 +278,17 @@ class LlamaCppDecoder:
         self._unrecorded = False
         self._n_out = len(tokens) if all_logits else 1
         self._skip = 0
+
+    def _run_batch(self, n_tokens: int) -> int:
+        """llama_decode of the filled batch, timed and counted; its return code. Until the caller records the
+        tokens, the cache may hold cells the history does not (see rollback_to)."""
+        t0 = time.perf_counter()
+        self._unrecorded = True
+        rc = llama_cpp.llama_decode(self._ctx, self._batch.struct)
+        self.decode_seconds += time.perf_counter() - t0
+        self.n_decodes += 1
+        self.n_decoded_tokens += n_tokens
+        return rc
 
     def _logits(self, n_rows: int, view: bool = False) -> np.ndarray:
         ptr = llama_cpp.llama_get_logits(self._ctx)
@@ -388,12 +394,7 @@ class LlamaCppDecoder:
         for s in range(1, tree.n_leaves + 1):
             llama_cpp.llama_memory_seq_cp(mem, 0, s, -1, -1)
         self._batch.fill_tree(tokens, [base + d for d in tree.depth], tree.seq_ids)
-        t0 = time.perf_counter()
-        self._unrecorded = True
-        rc = llama_cpp.llama_decode(self._ctx, self._batch.struct)
-        self.decode_seconds += time.perf_counter() - t0
-        self.n_decodes += 1
-        self.n_decoded_tokens += len(tokens)
+        rc = self._run_batch(len(tokens))
         self._batch.reset_sequences(len(tokens))
         if rc != 0:
             for s in range(1, tree.n_leaves + 1):
@@ -445,6 +446,52 @@ class LlamaCppDecoder:
             llama_cpp.llama_memory_seq_keep(self._mem, 0)  # the tree's cells are in its leaves' sequences only
             self._deferred = self._tree_pre
             self._tree, self._tree_pre = None, []
+
+    # --- independent sequences -------------------------------------------------------------
+
+    def decode_sequences(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[int],
+                         view: bool = False) -> np.ndarray:
+        """Decode tokens of independent sequences in one batch, token i at positions[i] of sequence seq_ids[i];
+        logits (n, V) of every token (hidden_states() gives theirs after it).
+
+        Runs outside the history, for several sequences in one context (e.g. answers generated side by side):
+        the history must be empty, seq_ids below n_seq_max; clear_sequence frees one sequence, reset() all.
+        view=True: a read-only view of llama.cpp's buffer, valid only until this decoder's next decode.
+        """
+        self._require_ctx()
+        self._end_tree()
+        self._require_no_history("decode_sequences")
+        n = len(tokens)
+        if n == 0 or len(positions) != n or len(seq_ids) != n:
+            raise ValueError(f"decode_sequences needs tokens, positions and seq_ids of one length >= 1, "
+                             f"got {n}, {len(positions)} and {len(seq_ids)}")
+        if not all(0 <= s < self.options.n_seq_max for s in seq_ids):
+            raise ValueError(f"sequence ids must be in 0..{self.options.n_seq_max - 1} (n_seq_max), got {sorted(set(seq_ids))}")
+        if n > self._batch.capacity:
+            raise GGUFSpecError(f"a batch of {n} tokens needs n_batch >= {n}, this context has {self._batch.capacity}")
+        self._batch.fill_tree(tokens, positions, [[s] for s in seq_ids])
+        rc = self._run_batch(n)  # the cells stay unrecorded: not the history's, rollback_to(0) drops them too
+        self._batch.reset_sequences(n)
+        if rc != 0:
+            raise GGUFSpecError(f"llama_decode failed with code {rc} on a batch of {n} tokens in sequences "
+                                f"{sorted(set(seq_ids))} (raise n_ctx?)")
+        self._n_out, self._skip = n, 0
+        return self._logits(n, view)
+
+    def clear_sequence(self, seq_id: int) -> None:
+        """Drop every KV entry of sequence seq_id (filled by decode_sequences; the history must be empty)."""
+        self._require_no_history("clear_sequence")
+        llama_cpp.llama_memory_seq_rm(self._mem_checked(), seq_id, -1, -1)
+
+    def kv_positions(self, seq_id: int = 0) -> tuple[int, int]:
+        """Lowest and highest position the KV cache holds for sequence seq_id, (-1, -1) when none; sequence 0
+        holds the history."""
+        mem = self._mem_checked()
+        return llama_cpp.llama_memory_seq_pos_min(mem, seq_id), llama_cpp.llama_memory_seq_pos_max(mem, seq_id)
+
+    def _require_no_history(self, what: str) -> None:
+        if self.history:
+            raise GGUFSpecError(f"{what} runs outside the history, which holds {len(self.history)} tokens: reset() first")
 
     # --- lifetime -------------------------------------------------------------------------
 

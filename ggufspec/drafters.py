@@ -15,7 +15,7 @@ import numpy as np
 
 from .costs import CostModel, ContextCosts
 from .decoder import Decoder, LlamaCppDecoder, common_prefix
-from .medusa_trees import Tree, build_tree
+from .trees import Tree, build_tree
 from .sampling import SamplingParams, probabilities, sample, softmax
 
 # A greedy draft tree follows the draft's best guesses while the draft itself gives the whole chain at
@@ -93,7 +93,7 @@ class ModelDrafter:
         """k nodes: the draft's chain (its best guesses when greedy, draws from its q when sampling) while the draft
         gives the whole chain at least reach_min, then runner-ups where the draft expects them to pay most (chance
         of the chain before them x their probability): the next-best guesses, or when sampling, further draws
-        from the same q without replacement, each with the q it was drawn from (see medusa_trees.walk)."""
+        from the same q without replacement, each with the q it was drawn from (see trees.walk)."""
         chain: list[int] = []
         dists: list[np.ndarray] = []  # per depth: the draft's distribution (its plain softmax when greedy)
         reach = [1.0]  # chance of the chain before each depth, then of the whole chain

@@ -20,13 +20,14 @@ from .drafters import AutoDrafter, LookupDrafter, ModelDrafter, prefill
 from .errors import ContextLengthError, GGUFSpecError
 from .gguf_check import read_header
 from .memory import check_memory
+from .medusa.candidates import special_ids
+from .medusa.heads import Heads, heads_memory, medusa_decoder_options
 from .methods import METHODS, Method, Run, Step, get_method
-from .medusa_heads import Heads, medusa_decoder_options, special_ids
-from .medusa_trees import build_tree, load_tree
 from .pairing import check_pair
 from .sampling import SamplingParams
 from .stats import Stats
 from .textstream import TextStream
+from .trees import build_tree, load_tree
 
 StopReason = Literal["stop", "max_tokens", "length", "interrupted"]
 DRAFT_TREE_SEQUENCES = 8  # a target paired with a draft holds `auto`'s greedy draft trees of up to 7 leaves
@@ -121,7 +122,8 @@ class SpeculativeEngine:
         paths = [Path(p).expanduser() for p in (target_path, draft_path) if p is not None]
         headers = [read_header(p) for p in paths]
         if options.memory_check and options.n_gpu_layers == 0:
-            check_memory(list(zip(paths, headers)), options.n_ctx, options.cache_type)
+            extra = heads_memory(medusa_path, headers[0], medusa_vocab) if medusa_path is not None else []
+            check_memory(list(zip(paths, headers)), options.n_ctx, options.cache_type, extra)
         target_options = options
         if draft_path is not None:  # room for `auto`'s draft trees (a unified cache: same size, same speed here)
             target_options = replace(options, n_seq_max=max(options.n_seq_max, DRAFT_TREE_SEQUENCES))

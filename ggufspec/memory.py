@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -53,15 +54,18 @@ def available_bytes() -> int | None:
         return None
 
 
-def check_memory(models: list[tuple[Path, GGUFHeader]], n_ctx: int, kv_type: str = "f16") -> None:
-    """Refuse, with the numbers, when weights plus KV of all `models` exceed the available RAM."""
+def check_memory(models: list[tuple[Path, GGUFHeader]], n_ctx: int, kv_type: str = "f16",
+                 extra: Sequence[tuple[str, int]] = ()) -> None:
+    """Refuse, with the numbers, when weights plus KV of all `models`, plus `extra` allocations (what, bytes),
+    exceed the available RAM."""
     have = available_bytes()
     if have is None:
         return
     parts = [(p, needed_bytes(h, n_ctx, kv_type), kv_bytes_per_token(h, kv_type) * n_ctx) for p, h in models]
-    need = sum(n for _, n, _ in parts)
+    need = sum(n for _, n, _ in parts) + sum(n for _, n in extra)
     if need > have:
-        detail = "; ".join(f"{p.name}: {n / GiB:.2f} GiB (KV {kv / GiB:.2f} GiB)" for p, n, kv in parts)
+        detail = "; ".join([f"{p.name}: {n / GiB:.2f} GiB (KV {kv / GiB:.2f} GiB)" for p, n, kv in parts]
+                           + [f"{what}: {n / GiB:.2f} GiB" for what, n in extra])
         raise GGUFSpecError(
             f"not enough memory: weights plus KV cache at n_ctx={n_ctx} need {need / GiB:.2f} GiB ({detail}), "
             f"{have / GiB:.2f} GiB is available. Use a smaller --n-ctx or smaller quantizations, "

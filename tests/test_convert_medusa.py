@@ -9,9 +9,10 @@ import pytest
 from gguf import GGUFReader
 
 from convert_fixtures import medusa_reference, write_medusa
-from ggufspec.convert import medusa
-from ggufspec.convert.medusa import convert_medusa, load_medusa_gguf
+from ggufspec.convert.medusa import convert_medusa
 from ggufspec.errors import ConversionError, ModelFileError
+from ggufspec.medusa import heads as medusa
+from ggufspec.medusa.heads import load_medusa_gguf
 
 HIDDEN, VOCAB = 64, 300
 

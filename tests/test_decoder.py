@@ -185,6 +185,40 @@ def test_hidden_states_come_from_the_same_decode(tiny_target, tiny_weights) -> N
             plain.hidden_states()
 
 
+def test_decode_sequences_equals_each_sequence_alone(tiny_target) -> None:
+    """Independent sequences in one batch (Medusa training's collection): each token's logits and hidden
+    state as in a context of its own; the cache's positions per sequence; clearing one; the history apart."""
+    a, b = [1, 2, 3, 4], [7, 8, 9]
+    with open_decoder(tiny_target, embeddings=True, n_seq_max=3) as d:
+        logits = d.decode_sequences(a + b, [0, 1, 2, 3, 0, 1, 2], [0, 0, 0, 0, 2, 2, 2])
+        hidden = d.hidden_states()
+        assert logits.shape == (7, d.n_vocab) and hidden.shape == (7, d.n_embd) and d.history == []
+        assert (d.kv_positions(0), d.kv_positions(1), d.kv_positions(2)) == ((0, 3), (-1, -1), (0, 2))
+        more = d.decode_sequences([5, 10], [4, 3], [0, 2])  # each sequence continues after its own tokens
+        more_hidden = d.hidden_states()
+        d.clear_sequence(2)
+        assert (d.kv_positions(0), d.kv_positions(2)) == ((0, 4), (-1, -1))
+        with pytest.raises(ValueError, match="sequence ids"):
+            d.decode_sequences([1], [0], [3])
+        d.reset()
+        assert d.kv_positions(0) == (-1, -1)
+        d.feed([1, 2])
+        with pytest.raises(GGUFSpecError, match="history"):
+            d.decode_sequences([1], [0], [1])
+        with pytest.raises(GGUFSpecError, match="history"):
+            d.clear_sequence(1)
+    with open_decoder(tiny_target, embeddings=True) as alone:
+        for seq, rows, nxt in ((a, slice(0, 4), 5), (b, slice(4, 7), 10)):
+            alone.rollback_to(0)
+            want = alone.feed(seq + [nxt])
+            want_hidden = alone.hidden_states()
+            k = 0 if nxt == 5 else 1
+            np.testing.assert_allclose(logits[rows], want[:-1], atol=ATOL_F32, rtol=0)
+            np.testing.assert_allclose(more[k], want[-1], atol=ATOL_F32, rtol=0)
+            np.testing.assert_allclose(hidden[rows], want_hidden[:-1], atol=ATOL_F32, rtol=0)
+            np.testing.assert_allclose(more_hidden[k], want_hidden[-1], atol=ATOL_F32, rtol=0)
+
+
 def test_use_after_close_is_a_clear_error(tiny_target) -> None:
     d = open_decoder(tiny_target)
     d.feed([1, 2])

@@ -20,10 +20,9 @@ import gguf
 import numpy as np
 import pytest
 
-from ggufspec.convert.medusa import load_medusa_gguf
 from ggufspec.errors import ModelFileError
 from ggufspec.gguf_check import read_header
-from ggufspec.medusa_heads import Heads
+from ggufspec.medusa.heads import Heads, load_medusa_gguf
 
 REPO = Path(__file__).resolve().parents[1]
 CASES = int(os.environ.get("GGUFSPEC_FUZZ_CASES", "600"))

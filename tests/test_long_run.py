@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import resource
 
-import llama_cpp
 import numpy as np
 
 from conftest import open_decoder
@@ -27,8 +26,7 @@ def _rss_mb() -> float:
 def _kv_matches_history(d) -> bool:
     """Sequence 0 spans exactly positions 0..len-1, and no tree sequence is left behind."""
     n = len(d.history)
-    lo, hi = llama_cpp.llama_memory_seq_pos_min(d._mem, 0), llama_cpp.llama_memory_seq_pos_max(d._mem, 0)
-    return (lo, hi) == ((0, n - 1) if n else (-1, -1))
+    return d.kv_positions(0) == ((0, n - 1) if n else (-1, -1))
 
 
 def test_twenty_thousand_sampled_tokens_with_rollbacks(tiny_target, tiny_draft) -> None:

@@ -19,11 +19,12 @@ from ggufspec.convert.medusa import convert_medusa
 from ggufspec.decoder import DecoderOptions
 from ggufspec.engine import GenerationSettings, SpeculativeEngine
 from ggufspec.errors import GGUFSpecError, ModelFileError
-from ggufspec.medusa_heads import Heads, medusa_decoder_options
-from ggufspec.medusa_train import save_checkpoint
-from ggufspec.medusa_trees import TREES, TreeError, build_tree, fit_tree, load_tree, tree_accepted, walk
+from ggufspec.medusa.fit import fit_tree, tree_accepted
+from ggufspec.medusa.heads import Heads, medusa_decoder_options
+from ggufspec.medusa.train import save_checkpoint
 from ggufspec.methods.medusa import medusa, walk_typical
 from ggufspec.sampling import SamplingParams, pick
+from ggufspec.trees import TREES, TreeError, build_tree, load_tree, walk
 
 H = TINY.n_embd
 V = 49152
@@ -66,7 +67,7 @@ def demo_heads() -> Path:
     """The heads trained for SmolLM2-135M-Instruct that ship in models/demo (good guesses: paths get accepted)."""
     found = sorted((Path(__file__).resolve().parents[1] / "models" / "demo").glob("*medusa*.gguf"))
     if not found:
-        pytest.fail("models/demo/*medusa*.gguf is missing: see models/medusa/README.md to train it")
+        pytest.fail("models/demo/*medusa*.gguf is missing: see scripts/medusa/README.md to train it")
     return found[0]
 
 
@@ -248,6 +249,28 @@ def test_heads_for_another_hidden_size_or_vocab_are_refused(tiny_target, tmp_pat
     assert r.exit_code == 2 and "hidden size 128" in r.output
 
 
+def test_memory_check_counts_the_output_matrix_v2_heads_copy(tiny_target, random_heads, tmp_path, monkeypatch) -> None:
+    """v2 heads with the whole vocabulary keep a float32 copy of the target's output matrix, so the engine's
+    memory check counts it; v1 heads (their own LM heads) and a restricted vocabulary keep none of it."""
+    from ggufspec import memory
+    from ggufspec.gguf_check import read_header
+    from ggufspec.medusa.heads import heads_memory
+
+    header = read_header(tiny_target)
+    assert [n for _, n in heads_memory(random_heads, header)] == [V * H * 4]
+    assert heads_memory(random_heads, header, 4096) == []
+    rng = np.random.default_rng(4)
+    v1 = _write_heads(tmp_path / "v1.gguf", _random_blocks(rng, 2, 1, H, 0.1), [rng.normal(0, 1, (V, H)) for _ in range(2)],
+                      outtype="f16")
+    assert heads_memory(v1, header) == []
+    options = DecoderOptions(n_ctx=1024, n_threads=2)
+    need = memory.needed_bytes(header, options.n_ctx, options.cache_type)
+    monkeypatch.setattr(memory, "available_bytes", lambda: need + V * H * 2)  # the model fits, the copy does not
+    with pytest.raises(GGUFSpecError, match="not enough memory.*output matrix"):
+        SpeculativeEngine.load(tiny_target, options=options, medusa_path=random_heads)
+    SpeculativeEngine.load(tiny_target, options=options, medusa_path=random_heads, medusa_vocab=4096).close()
+
+
 # --- trees --------------------------------------------------------------------------------
 
 
@@ -371,8 +394,8 @@ def test_soft_labels_steer_the_heads(tiny_target, soft_weight) -> None:
     soft_weight 1 the heads predict T for a large share of positions (a ResBlock cannot cancel x, so not all);
     with 0 only the text's own tokens count, and T is never among them.
     """
-    from ggufspec.medusa_heads import target_lm_head
-    from ggufspec.medusa_train import Corpus, TrainConfig, collect_text, open_for_collection, train_heads, training_pairs
+    from ggufspec.medusa.heads import target_lm_head
+    from ggufspec.medusa.train import Corpus, TrainConfig, collect_text, open_for_collection, train_heads, training_pairs
 
     d = open_for_collection(tiny_target, 1, 256, threads=1)
     try:
@@ -401,8 +424,8 @@ def test_soft_labels_steer_the_heads(tiny_target, soft_weight) -> None:
 
 def test_medusa_tree_command_fits_a_tree_file(tiny_target, tmp_path) -> None:
     """`medusa tree` on data where head 0 is always right and head 1 never: one node, rank 0; usable by --tree."""
-    from ggufspec.medusa_heads import target_lm_head
-    from ggufspec.medusa_train import Corpus
+    from ggufspec.medusa.heads import target_lm_head
+    from ggufspec.medusa.train import Corpus
 
     lm = target_lm_head(tiny_target)
     zero = _write_heads(tmp_path / "zero.gguf", [[(np.zeros((H, H)), np.zeros(H))] for _ in range(2)])

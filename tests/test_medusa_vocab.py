@@ -12,11 +12,11 @@ from conftest import TINY
 from test_equivalence import NEAR_TIE, PROMPTS, assert_same_or_near_tie
 from test_medusa import V, _random_blocks, _write_heads, demo_heads, random_heads  # noqa: F401 (fixtures)
 from ggufspec.cli import main
-from ggufspec.convert.medusa import load_medusa_gguf
 from ggufspec.decoder import DecoderOptions
 from ggufspec.engine import GenerationSettings, SpeculativeEngine
 from ggufspec.errors import GGUFSpecError
-from ggufspec.medusa_heads import CandidateVocabError, Heads, candidate_ids
+from ggufspec.medusa.candidates import CandidateVocabError, candidate_ids
+from ggufspec.medusa.heads import Heads, load_medusa_gguf
 
 H = TINY.n_embd
 

@@ -15,7 +15,7 @@ from scipy.stats import chisquare
 
 from conftest import open_decoder
 from ggufspec.drafters import ModelDrafter
-from ggufspec.medusa_trees import build_tree, walk
+from ggufspec.trees import build_tree, walk
 from ggufspec.sampling import SamplingParams, probabilities, sample
 
 ALPHA = 0.001

@@ -10,7 +10,7 @@ from typing import Any
 
 from gguf import GGUFReader, GGUFValueType
 
-from ggufspec.convert import medusa
+from ggufspec.medusa import heads as medusa
 from ggufspec.errors import ModelFileError
 from ggufspec.gguf_check import read_header
 from ggufspec.memory import bytes_per_value, kv_bytes_per_token

@@ -15,8 +15,8 @@ from collections.abc import Iterator
 import numpy as np
 
 from ..decoder import Decoder
-from ..medusa_heads import Heads
-from ..medusa_trees import Tree, walk
+from ..medusa.heads import Heads
+from ..trees import Tree, walk
 from ..sampling import SamplingParams, pick, probabilities
 from . import Step
 

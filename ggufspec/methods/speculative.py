@@ -14,7 +14,7 @@ import numpy as np
 
 from ..decoder import Decoder
 from ..drafters import Drafter
-from ..medusa_trees import walk
+from ..trees import walk
 from ..sampling import SamplingParams, pick, probabilities, sample
 from . import Step
 

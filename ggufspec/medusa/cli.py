@@ -49,13 +49,14 @@ def train_cmd(target: Path, out: Path, prompts: Path | None, text_file: Path | N
               weight_decay: float, soft_weight: float, tree_nodes: int, own_lm_head: bool, outtype: str,
               checkpoint_dir: Path | None, threads: int | None) -> None:
     """Collect hidden states of TARGET, train Medusa heads on them, and write the heads to OUT (GGUF)."""
-    from .convert.medusa import MedusaHeads, convert_medusa
-    from .medusa_heads import Heads, target_lm_head
-    from .medusa_train import (
-        Corpus, TrainConfig, chat_tokens, collect_generations, collect_text, fit_heads_tree, held_out,
-        open_for_collection, read_prompts, save_checkpoint, train_heads, training_pairs,
+    from ..convert.medusa import convert_medusa
+    from ..trees import DEFAULT_TREE, TREES
+    from .fit import fit_heads_tree, tree_accepted
+    from .heads import Heads, MedusaHeads, target_lm_head
+    from .train import (
+        Corpus, TrainConfig, chat_tokens, collect_generations, collect_text, held_out, open_for_collection,
+        read_prompts, save_checkpoint, train_heads, training_pairs,
     )
-    from .medusa_trees import DEFAULT_TREE, TREES, tree_accepted
 
     say = _printer()
     start = time.perf_counter()
@@ -119,10 +120,11 @@ def train_cmd(target: Path, out: Path, prompts: Path | None, text_file: Path | N
 def tree_cmd(target: Path, heads_path: Path, data: Path, out: Path, nodes: int) -> None:
     """Fit a candidate tree to HEADS on the answers in DATA (a `medusa train --data` cache) and write it to OUT
     (JSON, for `generate --tree OUT`). Use answers the heads were not trained on."""
-    from .gguf_check import read_header
-    from .medusa_heads import Heads
-    from .medusa_train import Corpus, fit_heads_tree, training_pairs
-    from .medusa_trees import DEFAULT_TREE, TREES, tree_accepted
+    from ..gguf_check import read_header
+    from ..trees import DEFAULT_TREE, TREES
+    from .fit import fit_heads_tree, tree_accepted
+    from .heads import Heads
+    from .train import Corpus, training_pairs
 
     meta = read_header(target).metadata
     n_embd = int(meta.get(f"{meta.get('general.architecture')}.embedding_length", 0))

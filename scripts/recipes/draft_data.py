@@ -5,7 +5,7 @@ templated instructions over many topics, user turns the target itself samples, s
 over local text (Python's own docstrings), and HumanEval-style completions of standard-library functions.
 Generation is continuous-batched greedy decoding on llama.cpp's low-level API (many sequences per pass).
 
-    nice -n 19 python models/recipes/draft_data.py TARGET.gguf OUT.npz --minutes 20 --seed 0
+    nice -n 19 python scripts/recipes/draft_data.py TARGET.gguf OUT.npz --minutes 20 --seed 0
 """
 
 from __future__ import annotations

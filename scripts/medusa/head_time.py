@@ -15,10 +15,10 @@ import time
 import ggufspec  # noqa: F401  (first: it sets OpenBLAS's thread timeout before numpy loads OpenBLAS)
 import numpy as np
 
-from ggufspec.convert.medusa import MedusaHeads
 from ggufspec.decoder import DecoderOptions, LlamaCppDecoder, default_threads
-from ggufspec.medusa_heads import Heads, candidate_ids, special_ids
-from ggufspec.medusa_trees import load_tree
+from ggufspec.medusa.candidates import candidate_ids, special_ids
+from ggufspec.medusa.heads import Heads, MedusaHeads
+from ggufspec.trees import load_tree
 
 
 def random_heads(n: int, hidden: int, vocab: int, version: int) -> Heads:
@@ -51,8 +51,7 @@ def main() -> None:
     d = LlamaCppDecoder(a.target, DecoderOptions(n_ctx=512, n_threads=a.threads))
     if a.heads:
         heads = Heads.load(a.heads, a.target, d.n_embd, d.n_vocab)
-        from ggufspec.convert.medusa import load_medusa_gguf
-        from ggufspec.medusa_heads import target_lm_head
+        from ggufspec.medusa.heads import load_medusa_gguf, target_lm_head
         raw = load_medusa_gguf(a.heads)
         lm = target_lm_head(a.target) if raw.lm_heads is None else None
     else:

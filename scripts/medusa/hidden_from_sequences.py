@@ -8,7 +8,7 @@ the last prompt token and the answer, each with the final-norm hidden state afte
 position; the prompt's text is then a label too, as in Medusa's training on ShareGPT), and the target's
 top-16 logits after each token, which `medusa train` uses as soft labels.
 
-    nice -n 19 python models/medusa/hidden_from_sequences.py TARGET.gguf OUT.npz DATA.npz [DATA.npz ...]
+    nice -n 19 python scripts/medusa/hidden_from_sequences.py TARGET.gguf OUT.npz DATA.npz [DATA.npz ...]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 from ggufspec.decoder import DecoderOptions, LlamaCppDecoder
-from ggufspec.medusa_train import Corpus
+from ggufspec.medusa.train import Corpus
 
 def sequences(path: str, whole: bool) -> list[tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]]:
     """(where the kept part starts, tokens, the target's top-16 ids and logits, hidden states or None) per

@@ -24,9 +24,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ggufspec.medusa_heads import Heads, candidate_ids, special_ids
-from ggufspec.medusa_train import Corpus, chat_tokens, collect_generations, open_for_collection
-from ggufspec.medusa_trees import build_tree, load_tree
+from ggufspec.medusa.candidates import candidate_ids, special_ids
+from ggufspec.medusa.heads import Heads
+from ggufspec.medusa.train import Corpus, chat_tokens, collect_generations, open_for_collection
+from ggufspec.trees import build_tree, load_tree
 
 
 def passes_on(tokens: np.ndarray, hidden: np.ndarray, heads: Heads, tree, eog: set[int]) -> tuple[int, int]:

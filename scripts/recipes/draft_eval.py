@@ -6,7 +6,7 @@ from (a) the target's greedy continuation of each prompt and (b) the draft's gre
 of that text: one batched generation of the target (kept in --ref, reused for every draft) and one prefill of the
 draft per prompt. `--engine N` replays the first N prompts through SpeculativeEngine as a cross-check.
 
-    nice -n 19 python models/recipes/draft_eval.py TARGET.gguf DRAFT.gguf --ref .cache/draft/ref.npz --engine 4
+    nice -n 19 python scripts/recipes/draft_eval.py TARGET.gguf DRAFT.gguf --ref .cache/draft/ref.npz --engine 4
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def engine_check(target: str, draft: str, ref: str, k: int, n: int) -> None:
     for i, (cat, plen, toks) in enumerate(load_ref(ref)):
         if i >= n:
             break
-        text = eng.target.vocab.detokenize(toks[:plen], special=True)
+        text = b"".join(eng.target.vocab.piece(t, special=True) for t in toks[:plen]).decode("utf-8", "replace")
         r = eng.generate(text, GenerationSettings(max_tokens=len(toks) - plen, draft_max=k))
         print(f"engine {cat}: {r.stats.mean_accepted_length:.2f} tok/pass over {r.stats.target_passes} passes, "
               f"same text as the reference: {r.tokens == toks[plen:plen + len(r.tokens)]}", flush=True)

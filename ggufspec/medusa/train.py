@@ -14,15 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
-import llama_cpp
 import numpy as np
 
-from .chat import chat_tokens as _chat_tokens
-from .decoder import DecoderOptions, LlamaCppDecoder
-from .errors import GGUFSpecError
-from .llama_batch import Batch
-from .medusa_heads import Heads
-from .medusa_trees import fit_tree, tree_accepted
+from ..chat import chat_tokens as _chat_tokens
+from ..decoder import DecoderOptions, LlamaCppDecoder
+from ..errors import GGUFSpecError
+from .heads import ResBlocks
 
 Progress = Callable[[str], None]
 
@@ -84,11 +81,9 @@ def collect_generations(
 ) -> Corpus:
     """The target's greedy answers, `n_parallel` sequences per llama.cpp batch (one slot per sequence id).
 
-    Needs a decoder opened with embeddings=True, n_seq_max >= n_parallel and room in n_ctx for
-    n_parallel whole sequences. Drives the context directly: the Decoder API has one history only.
+    Needs a decoder opened with embeddings=True, n_seq_max >= n_parallel, n_batch >= the longest prompt
+    and room in n_ctx for n_parallel whole sequences; its history must be empty, and is again after.
     """
-    ctx, mem = target._ctx, target._mem  # noqa: SLF001 - several independent sequences in one context
-    batch = Batch(max(n_parallel, max(len(p) for p in prompts)), n_parallel)
     queue = list(enumerate(prompts))
     slots: dict[int, tuple[list[int], list[np.ndarray], int, int, int]] = {}  # seq -> tokens, hidden, pos, new, prompt
     done: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -96,20 +91,15 @@ def collect_generations(
     t0, done_tokens = time.perf_counter(), 0
 
     def decode(tokens: list[int], positions: list[int], seqs: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        batch.fill_tree(tokens, positions, [[s] for s in seqs])
-        if llama_cpp.llama_decode(ctx, batch.struct) != 0:
-            raise GGUFSpecError("llama_decode failed while collecting training data (raise n_ctx?)")
-        n = len(tokens)
-        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits(ctx), shape=(n, target.n_vocab))
-        hidden = np.ctypeslib.as_array(llama_cpp.llama_get_embeddings(ctx), shape=(n, target.n_embd))
-        return logits.argmax(-1), hidden.astype(np.float16)
+        best = target.decode_sequences(tokens, positions, seqs, view=True).argmax(-1)
+        return best, target.hidden_states().astype(np.float16)
 
     try:
         while queue or slots:
             for s in range(n_parallel):
                 if s not in slots and queue:
                     i, p = queue.pop(0)
-                    llama_cpp.llama_memory_seq_rm(mem, s, -1, -1)
+                    target.clear_sequence(s)
                     best, hid = decode(p, list(range(len(p))), [s] * len(p))
                     slots[s] = ([p[-1], int(best[-1])], [hid[-1]], len(p), 1, i)
             seqs = sorted(slots)
@@ -128,8 +118,7 @@ def collect_generations(
                     toks.append(int(best[row]))
                     slots[s] = (toks, hs, pos + 1, new + 1, i)
     finally:
-        batch.close()
-        llama_cpp.llama_memory_clear(mem, True)
+        target.reset()
     return Corpus([done[i][0] for i in sorted(done)], [done[i][1] for i in sorted(done)])
 
 
@@ -288,21 +277,6 @@ def held_out(data: Pairs, cfg: TrainConfig) -> np.ndarray:
     return _split(data, held_out_size(len(data.rows), cfg), np.random.default_rng(cfg.seed))[0]
 
 
-def fit_heads_tree(heads: Heads, data: Pairs, samples: np.ndarray, n_nodes: int = 63, max_rank: int = 64,
-                   batch: int = 128) -> tuple[list[list[int]], float, np.ndarray]:
-    """The candidate tree of n_nodes choices the heads would have got accepted most often at `samples`
-    (greedy text), the draft tokens it accepts there per pass, and the heads' ranks it was fitted on."""
-    if data.labels.shape[1] < heads.n_heads:
-        raise GGUFSpecError(f"the data has labels for {data.labels.shape[1]} heads, the head set has {heads.n_heads}")
-    samples = np.sort(samples)
-    ranks = np.concatenate([
-        heads.ranks(data.hidden[data.rows[i]], data.labels[i, : heads.n_heads], max_rank)
-        for i in np.array_split(samples, max(1, len(samples) // batch))
-    ])
-    choices = fit_tree(ranks, n_nodes)
-    return choices, tree_accepted(ranks, choices), ranks
-
-
 def train_heads(
     data: Pairs, lm_head: np.ndarray, cfg: TrainConfig, progress: Progress | None = None,
 ) -> tuple[list[list[tuple[np.ndarray, np.ndarray]]], dict[str, list[float]]]:
@@ -319,17 +293,21 @@ def train_heads(
     valid = valid[: cfg.valid_samples]
     w = np.zeros((k * hidden, hidden), dtype=np.float32)  # all heads' ResBlocks stacked: one matmul
     b = np.zeros(k * hidden, dtype=np.float32)
+    # views of w and b, which the optimiser updates in place
+    stacked = ResBlocks(k, hidden, [w.reshape(k, hidden, hidden)], [b.reshape(k, hidden)], w.T)
     opt = _Adam([w, b], cfg.lr, cfg.weight_decay)
     history: dict[str, list[float]] = {"loss": [], **{f"top1_head{i}": [] for i in range(k)}}
     t0 = time.perf_counter()
 
-    def forward(xb: np.ndarray):
-        z = (xb @ w.T + b).reshape(len(xb), k, hidden)
-        s = 1.0 / (1.0 + np.exp(-z))
-        return z, s, xb[:, None, :] + z * s
+    def forward(xb: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Pre-activations z, their sigmoid and the heads' outputs [B, k, H], for the backward pass."""
+        pre: list[np.ndarray] = []
+        out = stacked(xb, pre)
+        z = pre[0]
+        return z, 1.0 / (1.0 + np.exp(-z)), out
 
     def accuracy(idx: np.ndarray) -> list[float]:
-        out = forward(hid[data.rows[idx]].astype(np.float32))[2]
+        out = stacked(hid[data.rows[idx]].astype(np.float32))
         y = data.labels[idx]
         pred = np.stack([(out[:, i] @ lm_head.T).argmax(-1) for i in range(k)], axis=1)
         return (((pred == y) & (y >= 0)).sum(0) / np.maximum((y >= 0).sum(0), 1)).tolist()

@@ -9,7 +9,7 @@ directions of the target's own embedding matrix, so the draft starts in the targ
 layers have to be learned. Loss: cross-entropy against the target's top-16 distribution (renormalised) at every
 position, plus its greedy token.
 
-    nice -n 19 python models/recipes/draft_train.py TARGET.gguf OUT_DIR DATA.npz [MORE.npz ...] --minutes 25 --seed 0 [--layers 6]
+    nice -n 19 python scripts/recipes/draft_train.py TARGET.gguf OUT_DIR DATA.npz [MORE.npz ...] --minutes 25 --seed 0 [--layers 6]
     ggufspec convert hf OUT_DIR/hf models/demo/smollm2-135m-draft.Q8_0.gguf --vocab-from TARGET.gguf --outtype q8_0
 """
 

@@ -1,5 +1,6 @@
-"""Candidate trees: Medusa's choices format, the shipped trees, the arrays built once per tree, and the
-target's walk down a verified tree (Medusa's, and the draft model's greedy trees).
+"""Candidate trees, shared by Medusa and the draft model's trees: Medusa's choices format, the shipped trees,
+the arrays built once per tree, and the target's walk down a verified tree (fitting a tree to Medusa heads
+is in `ggufspec.medusa.fit`).
 
 A choice is a path of ranks: [2, 0] is "head 0's 3rd-best token, then head 1's best token after it".
 The verified tree has one more node, the root (index 0): the token the target committed last, not yet
@@ -149,47 +150,6 @@ def build_tree(choices: list[list[int]] | list[tuple[int, ...]], keep_order: boo
     n_heads = int(depth.max())
     top_k = tuple(int(rank[head == k].max()) + 1 for k in range(n_heads))
     return Tree(tuple(paths), parents, depth, head, rank, ancestors, top_k)
-
-
-def fit_tree(ranks: np.ndarray, n_nodes: int) -> list[list[int]]:
-    """The n_nodes choices that would have been accepted most often on recorded data.
-
-    ranks[i, k]: where the true token i + k + 2 stood in head k's ranking at position i (-1 or any
-    negative: not known). A choice is accepted at position i when every head on its path ranked the
-    true token exactly as the choice says; the tree's expected accepted length is 1 plus the sum of
-    its choices' frequencies. A choice is never accepted more often than its prefix, so taking the
-    most frequent ones, frontier first, is optimal and prefix-closed (ties: shallower, lower ranks).
-    """
-    ranks = np.asarray(ranks)
-    if ranks.ndim != 2 or len(ranks) == 0:
-        raise TreeError("fitting a tree needs a non-empty [positions, heads] array of ranks")
-    n_heads = ranks.shape[1]
-
-    def positions(choice: tuple[int, ...], within: np.ndarray) -> np.ndarray:
-        return within[ranks[within, len(choice) - 1] == choice[-1]]
-
-    everywhere = np.arange(len(ranks))
-    # frontier: choice -> positions where it is accepted (a subset of its parent's)
-    frontier = {(int(r),): positions((int(r),), everywhere) for r in np.unique(ranks[:, 0]) if r >= 0}
-    chosen: list[list[int]] = []
-    while frontier and len(chosen) < n_nodes:
-        best = max(frontier, key=lambda c: (len(frontier[c]), -len(c), tuple(-r for r in c)))
-        where = frontier.pop(best)
-        if len(where) == 0:
-            break
-        chosen.append(list(best))
-        if len(best) < n_heads:
-            for r in np.unique(ranks[where, len(best)]):
-                if r >= 0:
-                    child = (*best, int(r))
-                    frontier[child] = positions(child, where)
-    return chosen
-
-
-def tree_accepted(ranks: np.ndarray, choices: list[list[int]]) -> float:
-    """Mean draft tokens accepted per pass with these choices, on fit_tree's ranks (one matching node per depth)."""
-    ranks = np.asarray(ranks)
-    return float(sum((ranks[:, : len(c)] == c).all(axis=1).mean() for c in choices if len(c) <= ranks.shape[1]))
 
 
 def load_tree(spec: str | None) -> Tree:
