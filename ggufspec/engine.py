@@ -23,13 +23,15 @@ from .memory import check_memory
 from .medusa.candidates import special_ids
 from .medusa.heads import Heads, heads_memory, medusa_decoder_options
 from .methods import METHODS, Method, Run, Step, get_method
+from .methods.medusa import TreeSizer
 from .pairing import check_pair
 from .sampling import SamplingParams
 from .stats import Stats
 from .textstream import TextStream
-from .trees import build_tree, load_tree
+from .trees import Tree, build_tree, load_tree
 
 StopReason = Literal["stop", "max_tokens", "length", "interrupted"]
+MEDUSA_DENSE_SIZES = 3  # Medusa's cost model: batches of 1..4 tokens measured, then 16, 32, 64 (interpolated between)
 DRAFT_TREE_SEQUENCES = 8  # a target paired with a draft holds `auto`'s greedy draft trees of up to 7 leaves
 
 
@@ -104,6 +106,7 @@ class SpeculativeEngine:
         self.medusa: Heads | None = None  # set by load(medusa_path=...)
         self.costs = costs  # the cost model `auto` prices steps with: measured at its first run when None
         self._auto: dict[bool, AutoDrafter] = {}  # with and without a draft model, kept across generations
+        self._sizers: dict[tuple, TreeSizer] = {}  # Medusa's, per tree
         self._lock = threading.Lock()
         self._closed = False
 
@@ -252,11 +255,30 @@ class SpeculativeEngine:
         run = Run(self.target, last, limit, s.sampling, np.random.default_rng(s.seed), s.draft_max, typical=s.typical)
         if method.needs_heads:  # the heads' own fitted tree unless another is asked for
             own = self.medusa.choices if s.medusa_tree is None else None
-            run.heads, run.tree = self.medusa, build_tree(own) if own else load_tree(s.medusa_tree)
+            tree = build_tree(own) if own else load_tree(s.medusa_tree)
+            if tree.n_heads > self.medusa.n_heads:
+                tree = tree.truncated(self.medusa.n_heads)
+            run.heads, run.tree = self.medusa, tree
+            if s.medusa_tree is None:  # not a tree the user named: cut each step to what pays here
+                run.sizer = self.tree_sizer(tree)
         elif method.drafter is not None:
             run.drafter = method.drafter(self, s, draft)
             run.k_max = getattr(run.drafter, "k_cap", s.draft_max)  # auto: lookup's long guesses may go further
         return run
+
+    def tree_sizer(self, tree: Tree) -> TreeSizer:
+        """Medusa's tree sizer for `tree`, kept across generations; the cost model (this engine's when it has no
+        draft, else one measured for the target alone) is measured at first use: call it before the prefill."""
+        sizer = self._sizers.get(tree.choices)
+        if sizer is None:
+            if self.costs is None or self.draft is not None:
+                costs = cached_measure(self.target, None, MEDUSA_DENSE_SIZES)
+                if self.draft is None:
+                    self.costs = costs
+            else:
+                costs = self.costs
+            sizer = self._sizers[tree.choices] = TreeSizer(tree, costs)
+        return sizer
 
     def auto_drafter(self, s: GenerationSettings, draft: LlamaCppDecoder | None) -> AutoDrafter:
         """`auto`'s drafter, which keeps what it learned across generations; its first run measures the cost

@@ -22,7 +22,8 @@ from ggufspec.errors import GGUFSpecError, ModelFileError
 from ggufspec.medusa.fit import fit_tree, tree_accepted
 from ggufspec.medusa.heads import Heads, medusa_decoder_options
 from ggufspec.medusa.train import save_checkpoint
-from ggufspec.methods.medusa import medusa, walk_typical
+from ggufspec.costs import CostModel
+from ggufspec.methods.medusa import TreeSizer, medusa, walk_typical
 from ggufspec.sampling import SamplingParams, pick
 from ggufspec.trees import TREES, TreeError, build_tree, load_tree, walk
 
@@ -71,8 +72,14 @@ def demo_heads() -> Path:
     return found[0]
 
 
-def _engine(target: Path, heads: Path) -> SpeculativeEngine:
-    return SpeculativeEngine.load(target, options=DecoderOptions(n_ctx=1024, n_threads=2), medusa_path=heads)
+def trees_pay() -> CostModel:
+    """Costs of a target where a tree of any size costs little more than one token: the sizer keeps whole trees."""
+    return CostModel([0.02, 0.0201, 0.0202, 0.0203], 0.0, [16, 32, 64], [0.021, 0.022, 0.023])
+
+
+def _engine(target: Path, heads: Path, costs: CostModel | None = None) -> SpeculativeEngine:
+    return SpeculativeEngine.load(target, options=DecoderOptions(n_ctx=1024, n_threads=2), medusa_path=heads,
+                                  costs=costs or trees_pay())
 
 
 @pytest.mark.parametrize("heads_fixture", ["random_heads", "trained_heads"])
@@ -97,6 +104,46 @@ def test_greedy_medusa_equals_autoregressive_smollm2(smollm2_path, demo_heads) -
             passes += got.stats.target_passes
             tokens += len(got.tokens)
     assert tokens / passes > 1.3, f"the demo heads should get paths accepted ({tokens / passes:.2f} tokens per pass)"
+
+
+def test_sized_trees_on_this_machine_keep_the_targets_text(smollm2_path, demo_heads) -> None:
+    """With this machine's measured costs the sizer picks what pays (often nothing on a compute-bound 135M target);
+    the text stays the target's own, exactly (q8_0 cache)."""
+    with SpeculativeEngine.load(smollm2_path, options=DecoderOptions(n_ctx=1024, n_threads=2),
+                                medusa_path=demo_heads) as engine:
+        ref = engine.generate(PROMPTS[0], GenerationSettings(max_tokens=40, method="autoregressive"))
+        got = engine.generate(PROMPTS[0], GenerationSettings(max_tokens=40, method="medusa"))
+        assert got.tokens == ref.tokens
+        assert engine.costs is not None and engine.costs.long_sizes  # measured, long batches too
+
+
+def test_tree_sizer_verifies_what_pays_parents_first() -> None:
+    tree = build_tree(TREES["mc_sim_15"])
+    linear = CostModel([0.02 * n for n in range(1, 5)], 0.0, [16, 32, 64], [0.32, 0.64, 1.28])
+    flat = trees_pay()
+    assert list(TreeSizer(tree, linear).plan(max_depth=5)) == [0]  # n tokens cost n decodes: no tree pays
+    sizer = TreeSizer(tree, flat)
+    nodes = sizer.plan(max_depth=5)
+    assert len(nodes) == tree.size and nodes[0] == 0
+    seen = {0}
+    for i in nodes[1:]:  # each node after its parent
+        assert tree.parents[i] in seen
+        seen.add(int(i))
+    assert max(tree.depth[sizer.plan(max_depth=1)]) == 1  # near the token limit: no node deeper than allowed
+    # the target committed the tokens of choice [0, 1] then a token of its own: that path's nodes count as kept,
+    # every other node as missed (all of them proposed, verified or not)
+    tokens = np.arange(100, 100 + tree.size)
+    path = [tree.choices.index((0,)) + 1, tree.choices.index((0, 1)) + 1]
+    before = sizer.kept.copy()
+    sizer.observe(tokens, [int(tokens[path[0]]), int(tokens[path[1]]), 7], 0.001, len(nodes), 0.0)
+    rose = set(np.flatnonzero(sizer.kept > before))
+    assert rose == set(path) and sizer.kept[0] == 1.0
+    # a node that keeps missing drops out of the plan while the path that keeps matching stays
+    for _ in range(200):
+        sizer.observe(tokens, [int(tokens[path[0]]), int(tokens[path[1]]), 7], 0.001, len(nodes), 0.0)
+    costly = TreeSizer(tree, CostModel([0.02, 0.025, 0.03, 0.035], 0.0, [16, 32, 64], [0.2, 0.4, 0.8]))
+    costly.kept = sizer.kept
+    assert set(costly.plan(max_depth=5)) == {0, *path}
 
 
 def test_walk_samples_exactly_like_the_target_token_by_token() -> None:

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from conftest import TINY
 from test_equivalence import NEAR_TIE, PROMPTS, assert_same_or_near_tie
-from test_medusa import V, _random_blocks, _write_heads, demo_heads, random_heads  # noqa: F401 (fixtures)
+from test_medusa import V, _random_blocks, _write_heads, demo_heads, random_heads, trees_pay  # noqa: F401 (fixtures)
 from ggufspec.cli import main
 from ggufspec.decoder import DecoderOptions
 from ggufspec.engine import GenerationSettings, SpeculativeEngine
@@ -52,7 +52,8 @@ def test_restricted_heads_equal_a_numpy_reference_on_the_same_ids(tiny_weights, 
 
 def test_greedy_medusa_with_a_restricted_vocabulary_equals_autoregressive_smollm2(smollm2_path, demo_heads) -> None:
     opts = DecoderOptions(n_ctx=512)
-    with SpeculativeEngine.load(smollm2_path, options=opts, medusa_path=demo_heads, medusa_vocab=2048) as engine:
+    with SpeculativeEngine.load(smollm2_path, options=opts, medusa_path=demo_heads, medusa_vocab=2048,
+                                costs=trees_pay()) as engine:  # whole trees, not what pays on this CPU
         heads = engine.medusa
         assert heads.n_candidates == 2048 and {0, 1, 2} <= set(heads.ids.tolist())  # <|endoftext|>, <|im_*|>
         prompt = PROMPTS[0]

@@ -38,6 +38,7 @@ class Run:
     drafter: Drafter | None = None
     heads: Any = None  # medusa: its Heads and Tree
     tree: Any = None
+    sizer: Any = None  # medusa: cuts the tree each step (None: the whole tree)
     typical: bool = False
 
 
@@ -64,7 +65,7 @@ def _speculative(r: Run) -> Iterator[Step]:
 
 
 def _medusa(r: Run) -> Iterator[Step]:
-    return medusa(r.target, r.heads, r.tree, r.last, r.limit, r.params, r.rng, r.typical)
+    return medusa(r.target, r.heads, r.tree, r.last, r.limit, r.params, r.rng, r.typical, r.sizer)
 
 
 def _model_chains(engine, s, draft: Decoder) -> Drafter:

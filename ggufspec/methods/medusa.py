@@ -10,14 +10,18 @@ Typical acceptance (opt-in) keeps the deepest path whose tokens are all "typical
 
 from __future__ import annotations
 
+import functools
+import time
 from collections.abc import Iterator
 
 import numpy as np
 
+from ..costs import CostModel
 from ..decoder import Decoder
+from ..drafters import MIN_GAIN
 from ..medusa.heads import Heads
-from ..trees import Tree, walk
 from ..sampling import SamplingParams, pick, probabilities
+from ..trees import Tree, build_tree, walk
 from . import Step
 
 TYPICAL_THRESHOLD = 0.09  # Medusa's posterior_threshold (epsilon)
@@ -50,16 +54,72 @@ def walk_typical(
     return tree.path(node), pick(logits[node], params, rng)
 
 
+class TreeSizer:
+    """Cuts Medusa's tree, each step, to the nodes that maximise expected tokens per second; none when no tree pays.
+
+    A node's chance of being kept is a running average of whether the target's committed tokens matched it, known
+    after every step for every node of the whole tree, verified or not (the heads proposed them all). Sorted by
+    that chance the nodes stay prefix-closed (a node matches only where its parent does). The batch costs are the
+    measured ones, corrected by each step's real time; the heads' own time counts too. While no tree pays the heads
+    run only every PROBE_EVERY steps, to keep learning.
+    """
+
+    PROBE_EVERY = 8
+
+    def __init__(self, tree: Tree, costs: CostModel, memory: float = 0.95, prior: float = 0.5) -> None:
+        self.tree, self.costs, self.memory = tree, costs, memory
+        self.kept = prior ** tree.depth.astype(float)  # the root: 1
+        self.heads_seconds = 0.0
+        self._idle = 0
+
+    def plan(self, max_depth: int) -> np.ndarray:
+        """Node indices to verify, root first, each after its parent ([0]: a plain step)."""
+        order = np.lexsort((self.tree.depth, -self.kept))
+        order = order[(order != 0) & (self.tree.depth[order] <= max_depth)]
+        if not len(order):
+            return np.zeros(1, dtype=np.int64)
+        gain = 1.0 + np.cumsum(self.kept[order])
+        seconds = np.array([self.costs.batch_seconds(n + 2) for n in range(len(order))]) + self.heads_seconds
+        best = int(np.argmax(gain / seconds))
+        if gain[best] / seconds[best] < MIN_GAIN / self.costs.batch_seconds(1):
+            return np.zeros(1, dtype=np.int64)
+        return np.concatenate([[0], order[: best + 1]])
+
+    def wants_heads(self, n_nodes: int) -> bool:
+        """Whether to run the heads this step: always with a tree, else every PROBE_EVERY plain steps."""
+        if n_nodes > 1:
+            self._idle = 0
+            return True
+        self._idle += 1
+        return self._idle % self.PROBE_EVERY == 0
+
+    def observe(self, tokens: np.ndarray, new: list[int], heads_seconds: float, n_verified: int,
+                verify_seconds: float) -> None:
+        """After a step: the whole tree's candidate tokens (None: heads not run), the tokens committed, timings."""
+        if tokens is not None:
+            t = self.tree
+            known = np.array(new + [-1] * (t.n_heads + 1 - len(new)))
+            matched = (t.depth == 0) | (tokens == known[np.maximum(t.depth - 1, 0)])
+            hit = ~(t.ancestors & ~matched).any(axis=1)  # every node on its path matched
+            self.kept = self.memory * self.kept + (1 - self.memory) * hit
+            self.heads_seconds += 0.2 * (heads_seconds - self.heads_seconds)
+        if verify_seconds > 0:
+            self.costs.observe(n_verified, verify_seconds, 0, 0.0)
+
+
 def medusa(
     target: Decoder, heads: Heads, tree: Tree, last: int, limit: int, params: SamplingParams,
-    rng: np.random.Generator, typical: bool = False,
+    rng: np.random.Generator, typical: bool = False, sizer: TreeSizer | None = None,
 ) -> Iterator[Step]:
     """Yield the tokens each target pass commits, at most `limit` in all; `last` is not yet decoded.
 
-    `target` must return hidden states (embeddings on) and hold n_seq_max > leaves of `tree`.
+    `target` must return hidden states (embeddings on) and hold n_seq_max > leaves of `tree`. With a `sizer`
+    (built for this `tree`) each step verifies the part of the tree it picks; without, the whole tree.
     """
     if tree.n_heads > heads.n_heads:
         tree = tree.truncated(heads.n_heads)  # a tree deeper than the head set: its extra levels can't be filled
+    if sizer is not None and sizer.tree is not tree:
+        sizer = None  # truncated above: the sizer's nodes are another tree's
     heads.check_top_k(tree.top_k)  # before any token: a restricted candidate vocabulary may be too small
     # First pass: `last` alone, for the hidden state the heads start from.
     logits = target.feed([last])
@@ -69,13 +129,35 @@ def medusa(
     limit -= 1
     choose = walk_typical if typical and not params.greedy else walk
     while limit > 0:
-        t = tree if tree.n_heads < limit else tree.truncated(limit - 1)
-        tokens = candidates(heads, t, h, last) if t.size > 1 else np.array([last])
+        if sizer is None:
+            t = tree if tree.n_heads < limit else tree.truncated(limit - 1)
+            tokens = candidates(heads, t, h, last) if t.size > 1 else np.array([last])
+        else:
+            nodes = sizer.plan(max_depth=limit - 1)
+            all_tokens, t0 = None, time.perf_counter()
+            if sizer.wants_heads(len(nodes)):
+                all_tokens = candidates(heads, tree, h, last)
+            heads_seconds = time.perf_counter() - t0
+            t = _subtree(tree, tuple(nodes.tolist()))
+            tokens = all_tokens[nodes] if all_tokens is not None else np.array([last])
+            clock = target.decode_seconds
         logits = target.tree_logits(tokens.tolist(), t.parents.tolist())
         hidden = target.hidden_states()
         path, last = choose(t, tokens, logits, params, rng)
         target.commit_tree_path(path)
         h = hidden[path[-1]]
         new = [int(tokens[i]) for i in path[1:]] + [last]
-        yield Step(new, t.n_heads)
+        if sizer is not None:
+            sizer.observe(all_tokens, new, heads_seconds, t.size, target.decode_seconds - clock)
+        yield Step(new, int(t.depth.max()) if sizer is not None else t.n_heads)
         limit -= len(new)
+
+
+@functools.lru_cache(maxsize=512)
+def _subtree_cached(tree_choices: tuple[tuple[int, ...], ...], nodes: tuple[int, ...]) -> Tree:
+    return build_tree([tree_choices[i - 1] for i in nodes[1:]], keep_order=True)
+
+
+def _subtree(tree: Tree, nodes: tuple[int, ...]) -> Tree:
+    """The tree of `nodes` (indices into `tree`, root first, parents first), node k being nodes[k]."""
+    return _subtree_cached(tree.choices, nodes)
