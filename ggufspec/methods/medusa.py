@@ -66,9 +66,11 @@ class TreeSizer:
 
     PROBE_EVERY = 8
 
-    def __init__(self, tree: Tree, costs: CostModel, memory: float = 0.95, prior: float = 0.5) -> None:
+    def __init__(self, tree: Tree, costs: CostModel, memory: float = 0.9) -> None:
         self.tree, self.costs, self.memory = tree, costs, memory
-        self.kept = prior ** tree.depth.astype(float)  # the root: 1
+        # before any evidence: a head's best guess kept half the time, its rank-r guess a tenth of that over r
+        # (optimistic priors put whole trees on a CPU where a few nodes pay)
+        self.kept = np.array([1.0] + [float(np.prod([0.5 if r == 0 else 0.05 / r for r in c])) for c in tree.choices])
         self.heads_seconds = 0.0
         self._idle = 0
 
