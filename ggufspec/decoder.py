@@ -161,7 +161,6 @@ class LlamaCppDecoder:
             self.vocab = Vocab(self._model)
             self.n_vocab: int = self.vocab.n_tokens
             self.n_embd: int = llama_cpp.llama_model_n_embd(self._model)
-            self.n_ctx_train: int = llama_cpp.llama_model_n_ctx_train(self._model)
             cparams = llama_cpp.llama_context_default_params()
             cparams.n_ctx = opts.n_ctx
             cparams.n_batch = opts.n_batch
