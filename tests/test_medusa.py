@@ -124,7 +124,7 @@ def test_tree_sizer_verifies_what_pays_parents_first() -> None:
     assert list(TreeSizer(tree, linear).plan(max_depth=5)) == [0]  # n tokens cost n decodes: no tree pays
     sizer = TreeSizer(tree, flat)
     nodes = sizer.plan(max_depth=5)
-    assert len(nodes) == tree.size and nodes[0] == 0
+    assert len(nodes) > tree.size // 2 and nodes[0] == 0  # nearly free batches: most of the tree
     seen = {0}
     for i in nodes[1:]:  # each node after its parent
         assert tree.parents[i] in seen

@@ -58,7 +58,8 @@ def test_greedy_medusa_with_a_restricted_vocabulary_equals_autoregressive_smollm
         assert heads.n_candidates == 2048 and {0, 1, 2} <= set(heads.ids.tolist())  # <|endoftext|>, <|im_*|>
         prompt = PROMPTS[0]
         ref = engine.generate(prompt, GenerationSettings(max_tokens=28, method="autoregressive"))
-        got = engine.generate(prompt, GenerationSettings(max_tokens=28, method="medusa"))
+        # a named tree is verified whole (the sizer would learn that trees do not pay on this CPU)
+        got = engine.generate(prompt, GenerationSettings(max_tokens=28, method="medusa", medusa_tree="mc_sim_7b_63"))
     assert_same_or_near_tie(smollm2_path, prompt, ref.tokens, got.tokens, NEAR_TIE["quantized"])
     assert any(t >= 2048 for t in ref.tokens), "the text should need tokens outside the candidate set"
     rate = len(got.tokens) / got.stats.target_passes

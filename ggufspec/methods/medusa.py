@@ -60,7 +60,7 @@ class TreeSizer:
     A node's chance of being kept is a running average of whether the target's committed tokens matched it, known
     after every step for every node of the whole tree, verified or not (the heads proposed them all). Sorted by
     that chance the nodes stay prefix-closed (a node matches only where its parent does). The batch costs are the
-    measured ones, corrected by each step's real time; the heads' own time counts too. While no tree pays the heads
+    measured ones times what tree batches really cost against them; the heads' own time counts too. While no tree pays the heads
     run only every PROBE_EVERY steps, to keep learning.
     """
 
@@ -72,6 +72,9 @@ class TreeSizer:
         # (optimistic priors put whole trees on a CPU where a few nodes pay)
         self.kept = np.array([1.0] + [float(np.prod([0.5 if r == 0 else 0.05 / r for r in c])) for c in tree.choices])
         self.heads_seconds = 0.0
+        # tree batches (one sequence per leaf, hidden states out) against the chain batches the cost model timed:
+        # learned from each tree step alone, since scaling every size (as auto does) would price plain steps too
+        self.tree_factor = 1.0
         self._idle = 0
 
     def plan(self, max_depth: int) -> np.ndarray:
@@ -81,7 +84,8 @@ class TreeSizer:
         if not len(order):
             return np.zeros(1, dtype=np.int64)
         gain = 1.0 + np.cumsum(self.kept[order])
-        seconds = np.array([self.costs.batch_seconds(n + 2) for n in range(len(order))]) + self.heads_seconds
+        seconds = self.tree_factor * np.array([self.costs.batch_seconds(n + 2) for n in range(len(order))])
+        seconds += self.heads_seconds
         best = int(np.argmax(gain / seconds))
         if gain[best] / seconds[best] < MIN_GAIN / self.costs.batch_seconds(1):
             return np.zeros(1, dtype=np.int64)
@@ -105,8 +109,8 @@ class TreeSizer:
             hit = ~(t.ancestors & ~matched).any(axis=1)  # every node on its path matched
             self.kept = self.memory * self.kept + (1 - self.memory) * hit
             self.heads_seconds += 0.2 * (heads_seconds - self.heads_seconds)
-        if verify_seconds > 0:
-            self.costs.observe(n_verified, verify_seconds, 0, 0.0)
+        if verify_seconds > 0 and n_verified > 1:
+            self.tree_factor *= (verify_seconds / (self.tree_factor * self.costs.batch_seconds(n_verified))) ** 0.3
 
 
 def medusa(
