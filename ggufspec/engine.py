@@ -253,11 +253,8 @@ class SpeculativeEngine:
     def _prepare(self, method: Method, s: GenerationSettings, last: int, limit: int,
                  draft: LlamaCppDecoder | None) -> Run:
         run = Run(self.target, last, limit, s.sampling, np.random.default_rng(s.seed), s.draft_max, typical=s.typical)
-        if method.needs_heads:  # the heads' own fitted tree unless another is asked for
-            own = self.medusa.choices if s.medusa_tree is None else None
-            tree = build_tree(own) if own else load_tree(s.medusa_tree)
-            if tree.n_heads > self.medusa.n_heads:
-                tree = tree.truncated(self.medusa.n_heads)
+        if method.needs_heads:
+            tree = self.medusa_tree(s)
             run.heads, run.tree = self.medusa, tree
             if s.medusa_tree is None:  # not a tree the user named: cut each step to what pays here
                 run.sizer = self.tree_sizer(tree)
@@ -265,6 +262,13 @@ class SpeculativeEngine:
             run.drafter = method.drafter(self, s, draft)
             run.k_max = getattr(run.drafter, "k_cap", s.draft_max)  # auto: lookup's long guesses may go further
         return run
+
+    def medusa_tree(self, s: GenerationSettings) -> Tree:
+        """The tree a Medusa run with settings `s` draws its nodes from: the one named, else the heads' own fitted
+        tree, else the default; cut to the heads' depth."""
+        own = self.medusa.choices if s.medusa_tree is None else None
+        tree = build_tree(own) if own else load_tree(s.medusa_tree)
+        return tree.truncated(self.medusa.n_heads) if tree.n_heads > self.medusa.n_heads else tree
 
     def tree_sizer(self, tree: Tree) -> TreeSizer:
         """Medusa's tree sizer for `tree`, kept across generations; the cost model (this engine's when it has no
