@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -115,6 +116,19 @@ def test_sized_trees_on_this_machine_keep_the_targets_text(smollm2_path, demo_he
         got = engine.generate(PROMPTS[0], GenerationSettings(max_tokens=40, method="medusa"))
         assert got.tokens == ref.tokens
         assert engine.costs is not None and engine.costs.long_sizes  # measured, long batches too
+
+
+def test_sizer_cuts_every_generation_not_only_the_first(tiny_target, random_heads) -> None:
+    """Where n tokens cost n decodes no tree pays, in the engine's second generation as in its first (the sizer
+    kept across generations once met a freshly built tree and was dropped: whole 64-node trees, 0.18x)."""
+    linear = CostModel([0.02 * n for n in range(1, 5)], 0.0, [16, 32, 64], [0.32, 0.64, 1.28])
+    with _engine(tiny_target, random_heads, linear) as engine:
+        for prompt in PROMPTS[:2]:
+            got = engine.generate(prompt, GenerationSettings(max_tokens=20, method="medusa"))
+            assert got.stats.drafted == 0 and got.stats.target_passes == 20
+    with pytest.raises(ValueError, match="another tree"):
+        next(medusa(None, SimpleNamespace(n_heads=4), build_tree(TREES["mc_sim_15"]), 0, 4, SamplingParams(), None,
+                    sizer=TreeSizer(build_tree(TREES["chain_4"]), linear)))
 
 
 def test_tree_sizer_verifies_what_pays_parents_first() -> None:

@@ -124,8 +124,8 @@ def medusa(
     """
     if tree.n_heads > heads.n_heads:
         tree = tree.truncated(heads.n_heads)  # a tree deeper than the head set: its extra levels can't be filled
-    if sizer is not None and sizer.tree is not tree:
-        sizer = None  # truncated above: the sizer's nodes are another tree's
+    if sizer is not None and sizer.tree.choices != tree.choices:
+        raise ValueError("the tree sizer was built for another tree (or for this one before its cut to the heads' depth)")
     heads.check_top_k(tree.top_k)  # before any token: a restricted candidate vocabulary may be too small
     # First pass: `last` alone, for the hidden state the heads start from.
     logits = target.feed([last])
