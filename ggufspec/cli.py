@@ -154,11 +154,7 @@ def load_engine(params: dict, default_method: str | None = None, **settings_extr
         method = default_method
     if method is not None:
         _check_method(method, draft, medusa_path)
-    medusa_vocab = g["medusa_vocab"]
-    if medusa_vocab is not None and medusa_path is None:
-        raise click.UsageError("--medusa-vocab restricts Medusa heads: give them with --medusa HEADS.gguf (or a Medusa --preset)")
-    if medusa_vocab is not None and medusa_vocab.strip().lstrip("+-").isdigit():
-        medusa_vocab = int(medusa_vocab)
+    medusa_vocab = _medusa_vocab(g["medusa_vocab"], medusa_path)
     options = decoder_options(**model_opts)
     settings = GenerationSettings(
         max_tokens=g["max_tokens"] or options.n_ctx, sampling=SamplingParams(g["temp"], g["top_k"], g["top_p"], g["min_p"]),
@@ -167,6 +163,13 @@ def load_engine(params: dict, default_method: str | None = None, **settings_extr
     )
     engine = SpeculativeEngine.load(target, draft, options, settings, medusa_path=medusa_path, medusa_vocab=medusa_vocab)
     return engine, settings
+
+
+def _medusa_vocab(value: str | None, medusa_path: str | None) -> int | str | None:
+    """--medusa-vocab as SpeculativeEngine.load takes it: a number of ids, or a file of ids."""
+    if value is not None and medusa_path is None:
+        raise click.UsageError("--medusa-vocab restricts Medusa heads: give them with --medusa HEADS.gguf (or a Medusa --preset)")
+    return int(value) if value is not None and value.strip().lstrip("+-").isdigit() else value
 
 
 @main.command()
@@ -319,6 +322,8 @@ def _finish(result, show_stats: bool, as_json: bool) -> None:
 @click.option("--medusa", "medusa_path", type=click.Path(dir_okay=False), default=None,
               help="Medusa heads GGUF for --method medusa.")
 @click.option("--tree", "medusa_tree", default=None, help="Medusa candidate tree (see `generate --help`).")
+@click.option("--medusa-vocab", "medusa_vocab", metavar="N|FILE", default=None,
+              help="Medusa's restricted candidate vocabulary (see `generate --help`).")
 @click.option("--fresh-context", "fresh", is_flag=True,
               help="Empty the KV caches before every run: no prefix reuse, so every method sees the same KV layout.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="Write all runs and the summary as JSON.")
@@ -329,7 +334,7 @@ def _finish(result, show_stats: bool, as_json: bool) -> None:
                    "autoregressive, vanilla, lookup, auto and a per-step oracle with the measured cost model.")
 @model_options
 def bench(target, draft, prompt_file, limit, per_category, methods, temps, max_tokens, repeats, warmup, draft_max, draft_p_min,
-          seed, medusa_path, medusa_tree, fresh, output, plot_prefix, replay, **model_opts) -> None:
+          seed, medusa_path, medusa_tree, medusa_vocab, fresh, output, plot_prefix, replay, **model_opts) -> None:
     """Compare methods side by side on a prompt set: tok/s, speedup, acceptance, time split."""
     from .bench import BenchConfig, format_table, load_prompts, run_bench, summarize, to_json
     from .engine import SpeculativeEngine
@@ -341,6 +346,7 @@ def bench(target, draft, prompt_file, limit, per_category, methods, temps, max_t
     methods = methods or (("autoregressive", "vanilla") if draft else ("autoregressive",))
     for method in methods:
         _check_method(method, draft, medusa_path)
+    medusa_vocab = _medusa_vocab(medusa_vocab, medusa_path)
     if plot_prefix:
         from .plots import pyplot
 
@@ -349,7 +355,8 @@ def bench(target, draft, prompt_file, limit, per_category, methods, temps, max_t
                       repeats=repeats, warmup=warmup, draft_max=draft_max, draft_p_min=draft_p_min, seed=seed,
                       fresh=fresh, medusa_tree=medusa_tree)
     prompts = load_prompts(prompt_file, limit, per_category)
-    with SpeculativeEngine.load(target, draft, decoder_options(**model_opts), medusa_path=medusa_path) as engine:
+    with SpeculativeEngine.load(target, draft, decoder_options(**model_opts), medusa_path=medusa_path,
+                                medusa_vocab=medusa_vocab) as engine:
         total = len(prompts) * len(cfg.methods) * cfg.repeats * len(cfg.temperatures)
         with click.progressbar(length=total, label="benchmarking", file=sys.stderr) as bar:
             runs = run_bench(engine, prompts, cfg, bar.update)
@@ -358,6 +365,7 @@ def bench(target, draft, prompt_file, limit, per_category, methods, temps, max_t
     click.echo(format_table(rows))
     if output:
         meta = {"target": str(target), "draft": str(draft) if draft else None, "medusa": medusa_path,
+                "medusa_vocab": medusa_vocab,
                 "prompts": str(prompt_file),
                 "threads": model_opts.get("threads"), "kv_type": kv_type}
         Path(output).write_text(to_json(cfg, runs, rows, meta))

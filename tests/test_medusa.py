@@ -95,12 +95,16 @@ def test_greedy_medusa_equals_autoregressive_tiny(tiny_target, heads_fixture, re
                 assert len(got.tokens) == len(ref.tokens)
 
 
-def test_greedy_medusa_equals_autoregressive_smollm2(smollm2_path, demo_heads) -> None:
+def test_greedy_medusa_equals_autoregressive_smollm2(smollm2_path, demo_heads, tmp_path) -> None:
+    """The heads' own tree, named so that it is verified whole every step (the sizer would cut it to what pays
+    on this machine, often nothing)."""
     passes = tokens = 0
     with _engine(smollm2_path, demo_heads) as engine:
+        own = tmp_path / "own.json"
+        own.write_text(json.dumps(engine.medusa.choices))
         for prompt in (PROMPTS[0], PROMPTS[5]):
             ref = engine.generate(prompt, GenerationSettings(max_tokens=40, method="autoregressive"))
-            got = engine.generate(prompt, GenerationSettings(max_tokens=40, method="medusa"))
+            got = engine.generate(prompt, GenerationSettings(max_tokens=40, method="medusa", medusa_tree=str(own)))
             assert_same_or_near_tie(smollm2_path, prompt, ref.tokens, got.tokens, NEAR_TIE["quantized"])
             passes += got.stats.target_passes
             tokens += len(got.tokens)
@@ -129,6 +133,21 @@ def test_sizer_cuts_every_generation_not_only_the_first(tiny_target, random_head
     with pytest.raises(ValueError, match="another tree"):
         next(medusa(None, SimpleNamespace(n_heads=4), build_tree(TREES["mc_sim_15"]), 0, 4, SamplingParams(), None,
                     sizer=TreeSizer(build_tree(TREES["chain_4"]), linear)))
+
+
+def test_idle_heads_probe_at_a_bounded_cost() -> None:
+    """With no tree paying, the heads run every 8th step while cheap, and at most 1% of the decode time when not."""
+    sizer = TreeSizer(build_tree(TREES["mc_sim_15"]), CostModel([0.1, 0.2], 0.0))
+    assert [sizer.wants_heads(1) for _ in range(16)] == ([False] * 7 + [True]) * 2
+    sizer.probe_seconds = 0.04  # heads over a large vocabulary: 0.4 decodes
+    runs = [sizer.wants_heads(1) for _ in range(400)]
+    assert sum(runs) == 10 and runs[39]
+    assert sizer.wants_heads(5)  # a tree always needs them
+    # a probe that slowed the decode after it (numpy's threads): that counts against probing, not against trees
+    tree = sizer.tree
+    fresh = TreeSizer(tree, CostModel([0.1, 0.2], 0.0))
+    fresh.observe(np.arange(tree.size), [7], 0.01, 1, 0.1 + 0.09)
+    assert fresh.heads_seconds == pytest.approx(0.002) and fresh.probe_seconds == pytest.approx(0.02)
 
 
 def test_tree_sizer_verifies_what_pays_parents_first() -> None:

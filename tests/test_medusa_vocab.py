@@ -123,3 +123,20 @@ def test_cli_medusa_vocab(tiny_target, random_heads, tmp_path) -> None:
         assert "error:" in r.output and match in r.output, r.output
     r = CliRunner().invoke(main, ["generate", "-m", str(tiny_target), "--medusa-vocab", "100", "hello"])
     assert r.exit_code == 2 and "--medusa" in r.output
+
+
+def test_bench_takes_a_candidate_vocabulary(tiny_target, random_heads, tmp_path) -> None:
+    prompts = tmp_path / "p.txt"
+    prompts.write_text(PROMPTS[1] + "\n")
+    out = tmp_path / "b.json"
+    r = CliRunner().invoke(main, ["bench", "-m", str(tiny_target), "--medusa", str(random_heads), "-p", str(prompts),
+                                  "--method", "autoregressive", "--method", "medusa", "--medusa-vocab", "300",
+                                  "--repeats", "1", "--warmup", "0", "-n", "6", "-c", "256", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    data = json.loads(out.read_text())
+    assert data["meta"]["medusa_vocab"] == 300
+    assert {run["method"] for run in data["runs"]} == {"autoregressive", "medusa"}
+    for args, match in ((["--medusa-vocab", "100"], "--medusa"),
+                        (["--medusa", str(random_heads), "--medusa-vocab", "99999"], "1..49152")):
+        r = CliRunner().invoke(main, ["bench", "-m", str(tiny_target), "-p", str(prompts), *args])
+        assert r.exit_code == 2 and match in r.output, r.output

@@ -60,11 +60,12 @@ class TreeSizer:
     A node's chance of being kept is a running average of whether the target's committed tokens matched it, known
     after every step for every node of the whole tree, verified or not (the heads proposed them all). Sorted by
     that chance the nodes stay prefix-closed (a node matches only where its parent does). The batch costs are the
-    measured ones times what tree batches really cost against them; the heads' own time counts too. While no tree pays the heads
-    run only every PROBE_EVERY steps, to keep learning.
+    measured ones times what tree batches really cost against them; the heads' own time counts too. While no tree
+    pays the heads run only now and then (`wants_heads`), to keep learning.
     """
 
     PROBE_EVERY = 8
+    PROBE_SHARE = 0.01
 
     def __init__(self, tree: Tree, costs: CostModel, memory: float = 0.9) -> None:
         self.tree, self.costs, self.memory = tree, costs, memory
@@ -72,13 +73,20 @@ class TreeSizer:
         # (optimistic priors put whole trees on a CPU where a few nodes pay)
         self.kept = np.array([1.0] + [float(np.prod([0.5 if r == 0 else 0.05 / r for r in c])) for c in tree.choices])
         self.heads_seconds = 0.0
+        self.probe_seconds = 0.0  # a probe's cost: the heads, and what they slow the next decode by
         # tree batches (one sequence per leaf, hidden states out) against the chain batches the cost model timed:
         # learned from each tree step alone, since scaling every size (as auto does) would price plain steps too
         self.tree_factor = 1.0
         self._idle = 0
+        self._plan: tuple[int, np.ndarray] | None = None  # (max_depth, nodes): unchanged until observe learns
 
     def plan(self, max_depth: int) -> np.ndarray:
         """Node indices to verify, root first, each after its parent ([0]: a plain step)."""
+        if self._plan is None or self._plan[0] != max_depth:
+            self._plan = max_depth, self._best(max_depth)
+        return self._plan[1]
+
+    def _best(self, max_depth: int) -> np.ndarray:
         order = np.lexsort((self.tree.depth, -self.kept))
         order = order[(order != 0) & (self.tree.depth[order] <= max_depth)]
         if not len(order):
@@ -92,16 +100,23 @@ class TreeSizer:
         return np.concatenate([[0], order[: best + 1]])
 
     def wants_heads(self, n_nodes: int) -> bool:
-        """Whether to run the heads this step: always with a tree, else every PROBE_EVERY plain steps."""
+        """Whether to run the heads this step: always with a tree; else every PROBE_EVERY plain steps, or seldom
+        enough that probing costs at most PROBE_SHARE of a plain decode's time (heads over a large vocabulary)."""
         if n_nodes > 1:
             self._idle = 0
             return True
         self._idle += 1
-        return self._idle % self.PROBE_EVERY == 0
+        every = max(self.PROBE_EVERY, round(self.probe_seconds / (self.PROBE_SHARE * self.costs.batch_seconds(1))))
+        if self._idle < every:
+            return False
+        self._idle = 0
+        return True
 
     def observe(self, tokens: np.ndarray, new: list[int], heads_seconds: float, n_verified: int,
                 verify_seconds: float) -> None:
         """After a step: the whole tree's candidate tokens (None: heads not run), the tokens committed, timings."""
+        if tokens is not None or n_verified > 1:
+            self._plan = None
         if tokens is not None:
             t = self.tree
             known = np.array(new + [-1] * (t.n_heads + 1 - len(new)))
@@ -109,6 +124,10 @@ class TreeSizer:
             hit = ~(t.ancestors & ~matched).any(axis=1)  # every node on its path matched
             self.kept = self.memory * self.kept + (1 - self.memory) * hit
             self.heads_seconds += 0.2 * (heads_seconds - self.heads_seconds)
+            if n_verified == 1:  # numpy's BLAS threads can slow the decode after the heads (~0.1 s seen here);
+                # in a tree step that shows in the tree's batch time, and so in tree_factor
+                slower = max(0.0, verify_seconds - self.costs.batch_seconds(1))
+                self.probe_seconds += 0.2 * (heads_seconds + slower - self.probe_seconds)
         if verify_seconds > 0 and n_verified > 1:
             self.tree_factor *= (verify_seconds / (self.tree_factor * self.costs.batch_seconds(n_verified))) ** 0.3
 
@@ -147,11 +166,16 @@ def medusa(
             t = _subtree(tree, tuple(nodes.tolist()))
             tokens = all_tokens[nodes] if all_tokens is not None else np.array([last])
             clock = target.decode_seconds
-        logits = target.tree_logits(tokens.tolist(), t.parents.tolist())
-        hidden = target.hidden_states()
-        path, last = choose(t, tokens, logits, params, rng)
-        target.commit_tree_path(path)
-        h = hidden[path[-1]]
+        if t.size == 1:  # a plain step: the tree machinery (sequence copies, the walk) costs ~5% of a small decode
+            logits = target.feed([last])
+            path, last = [0], pick(logits[-1], params, rng)
+            h = target.hidden_states()[-1]
+        else:
+            logits = target.tree_logits(tokens.tolist(), t.parents.tolist())
+            hidden = target.hidden_states()
+            path, last = choose(t, tokens, logits, params, rng)
+            target.commit_tree_path(path)
+            h = hidden[path[-1]]
         new = [int(tokens[i]) for i in path[1:]] + [last]
         if sizer is not None:
             sizer.observe(all_tokens, new, heads_seconds, t.size, target.decode_seconds - clock)
