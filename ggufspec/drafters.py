@@ -8,14 +8,13 @@ sampling exact); then it observes how many the target kept.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple, Protocol
 
 import numpy as np
 
 from .costs import CostModel, ContextCosts
 from .decoder import Decoder, LlamaCppDecoder, common_prefix
-from .trees import Tree, build_tree
+from .trees import Tree, ordered_tree
 from .sampling import SamplingParams, probabilities, sample, softmax
 
 # A greedy draft tree follows the draft's best guesses while the draft itself gives the whole chain at
@@ -133,7 +132,7 @@ class ModelDrafter:
         for d, _, _ in nodes:
             ranks[d] += 1
             choices.append((0,) * d + (ranks[d],))
-        tree = _tree(tuple(choices))
+        tree = ordered_tree(tuple(choices))
         tokens = chain + [t for _, t, _ in nodes]
         q = None if params.greedy else np.stack(dists + [r for _, _, r in nodes])
         return Draft(tokens, q, tree)
@@ -374,9 +373,4 @@ class AutoDrafter:
     def observe(self, drafted: int, kept: int) -> None:
         if self.source is not None:  # the last policy asked: it also times plain steps
             self.source.update(drafted, kept)
-
-
-@functools.lru_cache(maxsize=256)
-def _tree(choices: tuple[tuple[int, ...], ...]) -> Tree:
-    return build_tree(list(choices), keep_order=True)
 

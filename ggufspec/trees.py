@@ -9,6 +9,7 @@ decoded. Node i > 0 is choice i - 1 and is decoded as a child of the node of its
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from collections.abc import Sequence
@@ -74,6 +75,10 @@ class Tree:
     def truncated(self, max_depth: int) -> Tree:
         """The same tree without nodes deeper than max_depth (for the last steps before a token limit)."""
         return build_tree([c for c in self.choices if len(c) <= max_depth])
+
+    def subtree(self, nodes: Sequence[int]) -> Tree:
+        """The tree of `nodes` (indices into this tree, root first, each after its parent), node k being nodes[k]."""
+        return ordered_tree(tuple(self.choices[i - 1] for i in nodes[1:]))
 
 
 def walk(tree: Tree, tokens: np.ndarray, logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
@@ -150,6 +155,12 @@ def build_tree(choices: list[list[int]] | list[tuple[int, ...]], keep_order: boo
     n_heads = int(depth.max())
     top_k = tuple(int(rank[head == k].max()) + 1 for k in range(n_heads))
     return Tree(tuple(paths), parents, depth, head, rank, ancestors, top_k)
+
+
+@functools.lru_cache(maxsize=512)
+def ordered_tree(choices: tuple[tuple[int, ...], ...]) -> Tree:
+    """build_tree(choices, keep_order=True), cached: the trees cut or drafted each step take a few recurring shapes."""
+    return build_tree(list(choices), keep_order=True)
 
 
 def load_tree(spec: str | None) -> Tree:

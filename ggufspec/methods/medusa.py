@@ -10,7 +10,6 @@ Typical acceptance (opt-in) keeps the deepest path whose tokens are all "typical
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Iterator
 
@@ -21,7 +20,7 @@ from ..decoder import Decoder
 from ..drafters import MIN_GAIN
 from ..medusa.heads import Heads
 from ..sampling import SamplingParams, pick, probabilities
-from ..trees import Tree, build_tree, walk
+from ..trees import Tree, walk
 from . import Step
 
 TYPICAL_THRESHOLD = 0.09  # Medusa's posterior_threshold (epsilon)
@@ -163,7 +162,7 @@ def medusa(
             if sizer.wants_heads(len(nodes)):
                 all_tokens = candidates(heads, tree, h, last)
             heads_seconds = time.perf_counter() - t0
-            t = _subtree(tree, tuple(nodes.tolist()))
+            t = tree.subtree(nodes.tolist())
             tokens = all_tokens[nodes] if all_tokens is not None else np.array([last])
             clock = target.decode_seconds
         if t.size == 1:  # a plain step needs none of the tree machinery (sequence copies, the walk)
@@ -181,13 +180,3 @@ def medusa(
             sizer.observe(all_tokens, new, heads_seconds, t.size, target.decode_seconds - clock)
         yield Step(new, int(t.depth.max()) if sizer is not None else t.n_heads)
         limit -= len(new)
-
-
-@functools.lru_cache(maxsize=512)
-def _subtree_cached(tree_choices: tuple[tuple[int, ...], ...], nodes: tuple[int, ...]) -> Tree:
-    return build_tree([tree_choices[i - 1] for i in nodes[1:]], keep_order=True)
-
-
-def _subtree(tree: Tree, nodes: tuple[int, ...]) -> Tree:
-    """The tree of `nodes` (indices into `tree`, root first, parents first), node k being nodes[k]."""
-    return _subtree_cached(tree.choices, nodes)
