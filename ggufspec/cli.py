@@ -138,7 +138,7 @@ _MODEL_KEYS = tuple(inspect.signature(decoder_options).parameters)
 
 def load_engine(params: dict, default_method: str | None = None, **settings_extra):
     """The engine and settings of `generation_options` (taken out of `params`): a preset resolved and fetched, the
-    combination checked, the models loaded. default_method applies unless Medusa heads are given."""
+    combination checked, the models loaded; default_method when none is given (None: the engine's)."""
     from .engine import GenerationSettings, SpeculativeEngine
     from .sampling import SamplingParams
 
@@ -150,8 +150,7 @@ def load_engine(params: dict, default_method: str | None = None, **settings_extr
                                                                      draft_max, gpu=model_opts["n_gpu_layers"] != 0)
     elif g["preset"] is not None:
         raise click.UsageError("give either --preset NAME or -m TARGET.gguf, not both.")
-    if method is None and medusa_path is None:
-        method = default_method
+    method = method or default_method
     if method is not None:
         _check_method(method, draft, medusa_path)
     medusa_vocab = _medusa_vocab(g["medusa_vocab"], medusa_path)
@@ -182,7 +181,7 @@ def _medusa_vocab(value: str | None, medusa_path: str | None) -> int | str | Non
               help="When the context is full, drop the older half of the text after the prompt's start and go on.")
 @click.option("--stats", "show_stats", is_flag=True, help="Print a stats line to stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, tokens, stats) instead of streaming.")
-@generation_options(max_tokens=256, default_method="auto with a draft, medusa with --medusa, else autoregressive")
+@generation_options(max_tokens=256, default_method="auto with a draft or --medusa, else autoregressive")
 def generate(prompt, chat, raw, system, truncate_prompt, context_shift, show_stats, as_json, **params) -> None:
     """Generate text from PROMPT (`-` reads standard input).
 

@@ -148,13 +148,15 @@ class LookupDrafter:
     def find(self, context: list[int], k: int) -> list[int]:
         ctx = np.asarray(context)
         self.match = 0
+        # where an earlier occurrence of the last token ends an n-gram equal to the tail (one pass over the
+        # context, then only those places: searched every step, so cheap against a small target's decode)
+        ends = np.flatnonzero(ctx[:-1] == ctx[-1])
         for n in range(min(self.ngram_max, len(ctx) - 1), self.ngram_min - 1, -1):
-            tail = ctx[-n:]
-            # windows starting at 0 .. len-n-1: every occurrence that ends before the tail itself
-            windows = np.lib.stride_tricks.sliding_window_view(ctx[:-1], n)
-            hits = np.flatnonzero((windows == tail).all(axis=1))
+            hits = ends[ends >= n - 1]
+            for j in range(1, n):
+                hits = hits[ctx[hits - j] == ctx[-1 - j]]
             if len(hits):
-                start = int(hits[-1]) + n
+                start = int(hits[-1]) + 1
                 m = min(LONG_MATCH, start)  # how far back the copy goes
                 same = ctx[start - m : start][::-1] == ctx[len(ctx) - m :][::-1]
                 self.match = m if same.all() else int(np.argmin(same))
@@ -373,4 +375,12 @@ class AutoDrafter:
     def observe(self, drafted: int, kept: int) -> None:
         if self.source is not None:  # the last policy asked: it also times plain steps
             self.source.update(drafted, kept)
+
+    def withdraw(self) -> None:
+        """The last proposal was not verified (Medusa's tree ran instead): the next observe learns nothing."""
+        self.source = None
+
+    def lookup_rate(self, n: int) -> float:
+        """Expected tokens per second of verifying an n-token lookup guess, at the current context's costs."""
+        return self.lookup_length.costs.expected_rate(n, self.lookup_length.acceptance, free=True)
 

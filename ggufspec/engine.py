@@ -37,7 +37,7 @@ DRAFT_TREE_SEQUENCES = 8  # a target paired with a draft holds `auto`'s greedy d
 
 @dataclass
 class GenerationSettings:
-    """What to generate and how; `method` None picks auto when a draft is loaded, medusa when heads are."""
+    """What to generate and how; `method` None picks auto when a draft or Medusa heads are loaded."""
 
     max_tokens: int = 256
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -195,7 +195,7 @@ class SpeculativeEngine:
 
     def method_for(self, s: GenerationSettings) -> Method:
         """The method `s` runs on this engine; GGUFSpecError when it needs a model this engine lacks."""
-        name = s.method or ("auto" if self.draft is not None else "medusa" if self.medusa else "autoregressive")
+        name = s.method or ("auto" if self.draft is not None or self.medusa is not None else "autoregressive")
         return get_method(name, self.draft is not None, self.medusa is not None)
 
     def _run(self, prompt: Prompt, s: GenerationSettings) -> Iterator[GenerationResponse]:
@@ -253,12 +253,13 @@ class SpeculativeEngine:
     def _prepare(self, method: Method, s: GenerationSettings, last: int, limit: int,
                  draft: LlamaCppDecoder | None) -> Run:
         run = Run(self.target, last, limit, s.sampling, np.random.default_rng(s.seed), s.draft_max, typical=s.typical)
-        if method.needs_heads:
+        heads = method.needs_heads or (method.uses_heads and self.medusa is not None and draft is None)
+        if heads:
             tree = self.medusa_tree(s)
             run.heads, run.tree = self.medusa, tree
-            if s.medusa_tree is None:  # not a tree the user named: cut each step to what pays here
+            if s.medusa_tree is None or not method.needs_heads:  # auto, or a tree not named: cut to what pays here
                 run.sizer = self.tree_sizer(tree)
-        elif method.drafter is not None:
+        if method.drafter is not None:  # auto with heads: lookup, priced by the cost model the sizer measured
             run.drafter = method.drafter(self, s, draft)
             run.k_max = getattr(run.drafter, "k_cap", s.draft_max)  # auto: lookup's long guesses may go further
         return run

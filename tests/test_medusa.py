@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -11,6 +12,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from scipy.stats import chisquare
 from click.testing import CliRunner
 
 from conftest import TINY, open_decoder
@@ -24,12 +26,16 @@ from ggufspec.medusa.fit import fit_tree, tree_accepted
 from ggufspec.medusa.heads import Heads, medusa_decoder_options
 from ggufspec.medusa.train import save_checkpoint
 from ggufspec.costs import CostModel
+from ggufspec.drafters import AutoDrafter
 from ggufspec.methods.medusa import TreeSizer, medusa, walk_typical
-from ggufspec.sampling import SamplingParams, pick
+from ggufspec.sampling import SamplingParams, pick, probabilities
 from ggufspec.trees import TREES, TreeError, build_tree, load_tree, walk
 
 H = TINY.n_embd
 V = 49152
+
+
+medusa_module = importlib.import_module("ggufspec.methods.medusa")  # the package re-exports the function
 
 
 def _random_blocks(rng: np.random.Generator, heads: int, layers: int, hidden: int, scale: float):
@@ -198,6 +204,62 @@ def test_walk_samples_exactly_like_the_target_token_by_token() -> None:
             assert tokens[b] == pick(logits[a], params, ref_rng)
         assert last == pick(logits[path[-1]], params, ref_rng)
         assert last not in tokens[tree.children(path[-1])]
+
+
+def test_auto_with_heads_verifies_lookup_guesses_and_sized_trees(smollm2_path, demo_heads, monkeypatch) -> None:
+    """`auto` with heads and no draft model: lookup's guess where the text repeats and its cost model expects more
+    tokens a second from it than from the sized tree, else the tree; the target's text either way. The costs given
+    say trees pay, so a fresh engine's first steps verify trees (until real tree batches teach the sizer what they
+    cost here); the code repeats its own names, so lookup guesses too."""
+    steps = {"lookup": 0, "tree": 0}
+    observe, withdraw = AutoDrafter.observe, AutoDrafter.withdraw
+
+    def observed(self, drafted: int, kept: int) -> None:
+        steps["lookup"] += drafted > 0
+        observe(self, drafted, kept)
+
+    def withdrawn(self) -> None:
+        steps["tree"] += 1
+        withdraw(self)
+
+    monkeypatch.setattr(AutoDrafter, "observe", observed)
+    monkeypatch.setattr(AutoDrafter, "withdraw", withdrawn)
+    with _engine(smollm2_path, demo_heads) as engine:  # costs where trees pay
+        assert engine.method_for(GenerationSettings()).name == "auto"
+        got = engine.generate(PROMPTS[0], GenerationSettings(max_tokens=48))
+        ref = engine.generate(PROMPTS[0], GenerationSettings(max_tokens=48, method="autoregressive"))
+    assert_same_or_near_tie(smollm2_path, PROMPTS[0], ref.tokens, got.tokens, NEAR_TIE["quantized"])
+    assert steps["lookup"] >= 2 and steps["tree"] >= 1, steps
+    assert got.stats.accepted > 0 and got.stats.target_passes < len(got.tokens)
+
+
+def test_sampled_auto_with_heads_follows_the_target(tiny_target, random_heads, monkeypatch) -> None:
+    """`auto` with heads when sampling: the first two tokens (each from a lookup guess, a tree or a plain pass) follow
+    the target's tempered top-k distribution. Lookup's guesses are most of the steps judged here; the sizer soon
+    finds these random heads' trees do not pay, and sampled trees alone are tested below."""
+    ran = {"lookup": 0, "tree": 0}
+    verify, withdraw = medusa_module.verify_chain, AutoDrafter.withdraw
+    monkeypatch.setattr(medusa_module, "verify_chain", lambda *a: ran.__setitem__("lookup", ran["lookup"] + 1) or verify(*a))
+    monkeypatch.setattr(AutoDrafter, "withdraw", lambda self: ran.__setitem__("tree", ran["tree"] + 1) or withdraw(self))
+    params, prompt = SamplingParams(temperature=1.5, top_k=6), "7 8 9 7 8 9 7 8 9 7"
+    with open_decoder(tiny_target) as d:
+        toks = d.vocab.tokenize(prompt)
+        p0 = probabilities(d.feed(toks)[-1], params)
+        first = int(p0.argmax())
+        p1 = probabilities(d.feed([first])[-1], params)
+    counts0, counts1 = np.zeros(len(p0), int), np.zeros(len(p1), int)
+    with _engine(tiny_target, random_heads) as engine:
+        for seed in range(2000):
+            r = engine.generate(prompt, GenerationSettings(max_tokens=3, sampling=params, seed=seed, draft_max=2))
+            counts0[r.tokens[0]] += 1
+            if r.tokens[0] == first:
+                counts1[r.tokens[1]] += 1
+    assert ran["lookup"] > 500 and ran["tree"] > 5, ran
+    for counts, p in ((counts0, p0), (counts1, p1)):
+        support = p > 0
+        assert counts[~support].sum() == 0
+        pval = chisquare(counts[support], counts.sum() * p[support]).pvalue
+        assert pval > 0.001, f"sampled tokens {counts[support]} do not follow p {p[support]} (p-value {pval:.2e})"
 
 
 def test_sampled_medusa_draws_what_the_target_draws(tiny_target, random_heads) -> None:
@@ -463,7 +525,7 @@ def test_cli_generate_medusa_json(tiny_target, random_heads) -> None:
         assert r.exit_code == 0, r.output
         return json.loads(r.output.strip().splitlines()[-1])
 
-    got = run("--medusa", str(random_heads), "--tree", "mc_sim_15")  # method medusa by default with --medusa
+    got = run("--method", "medusa", "--medusa", str(random_heads), "--tree", "mc_sim_15")  # a tree named: verified whole
     want = run("--method", "autoregressive")
     assert_same_or_near_tie(tiny_target, PROMPTS[1], want["tokens"], got["tokens"], NEAR_TIE["f32"])
     assert got["stats"]["target_passes"] <= want["stats"]["target_passes"]

@@ -54,6 +54,7 @@ class Method:
     needs_draft: bool = False  # refuses to run without a draft model
     uses_draft: bool = False  # drafts with the draft model when one is loaded
     needs_heads: bool = False
+    uses_heads: bool = False  # without a draft model, drafts with Medusa heads when they are loaded
 
 
 def _autoregressive(r: Run) -> Iterator[Step]:
@@ -66,6 +67,12 @@ def _speculative(r: Run) -> Iterator[Step]:
 
 def _medusa(r: Run) -> Iterator[Step]:
     return medusa(r.target, r.heads, r.tree, r.last, r.limit, r.params, r.rng, r.typical, r.sizer)
+
+
+def _auto_steps(r: Run) -> Iterator[Step]:
+    if r.heads is None:
+        return _speculative(r)
+    return medusa(r.target, r.heads, r.tree, r.last, r.limit, r.params, r.rng, False, r.sizer, r.drafter, r.k_max)
 
 
 def _model_chains(engine, s, draft: Decoder) -> Drafter:
@@ -85,8 +92,8 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("vanilla", "draft model chains of --draft-max tokens", _speculative, _model_chains,
            needs_draft=True, uses_draft=True),
     Method("lookup", "n-grams of the text so far", _speculative, _lookup),
-    Method("auto", "lookup, then the draft model (chains or trees); length from a measured cost model; off when it "
-           "cannot pay", _speculative, _auto, uses_draft=True),
+    Method("auto", "lookup, then the draft model (chains or trees) or else --medusa heads (a tree); sizes from a "
+           "measured cost model; off when it cannot pay", _auto_steps, _auto, uses_draft=True, uses_heads=True),
     Method("medusa", "--medusa heads propose a token tree, verified in one target pass", _medusa, needs_heads=True),
 )}
 

@@ -17,11 +17,12 @@ import numpy as np
 
 from ..costs import CostModel
 from ..decoder import Decoder
-from ..drafters import MIN_GAIN
+from ..drafters import MIN_GAIN, AutoDrafter
 from ..medusa.heads import Heads
 from ..sampling import SamplingParams, pick, probabilities
 from ..trees import Tree, walk
 from . import Step
+from .speculative import verify_chain
 
 TYPICAL_THRESHOLD = 0.09  # Medusa's posterior_threshold (epsilon)
 TYPICAL_ALPHA = 0.3  # Medusa's posterior_alpha: sqrt of the default 0.09 threshold, as in the paper's code
@@ -77,26 +78,33 @@ class TreeSizer:
         # learned from each tree step alone, since scaling every size (as auto does) would price plain steps too
         self.tree_factor = 1.0
         self._idle = 0
-        self._plan: tuple[int, np.ndarray] | None = None  # (max_depth, nodes): unchanged until observe learns
+        self._plan: tuple[int, np.ndarray, float] | None = None  # (max_depth, nodes, rate): until observe learns
 
     def plan(self, max_depth: int) -> np.ndarray:
         """Node indices to verify, root first, each after its parent ([0]: a plain step)."""
+        max_depth = min(max_depth, self.tree.n_heads)  # deeper limits cut nothing: the plan stands
         if self._plan is None or self._plan[0] != max_depth:
-            self._plan = max_depth, self._best(max_depth)
+            self._plan = max_depth, *self._best(max_depth)
         return self._plan[1]
 
-    def _best(self, max_depth: int) -> np.ndarray:
+    @property
+    def rate(self) -> float:
+        """Expected tokens per second of the last plan (a plain step's when none)."""
+        return self._plan[2] if self._plan is not None else 1.0 / self.costs.batch_seconds(1)
+
+    def _best(self, max_depth: int) -> tuple[np.ndarray, float]:
+        plain = np.zeros(1, dtype=np.int64), 1.0 / self.costs.batch_seconds(1)
         order = np.lexsort((self.tree.depth, -self.kept))
         order = order[(order != 0) & (self.tree.depth[order] <= max_depth)]
         if not len(order):
-            return np.zeros(1, dtype=np.int64)
+            return plain
         gain = 1.0 + np.cumsum(self.kept[order])
         seconds = self.tree_factor * np.array([self.costs.batch_seconds(n + 2) for n in range(len(order))])
         seconds += self.heads_seconds
         best = int(np.argmax(gain / seconds))
-        if gain[best] / seconds[best] < MIN_GAIN / self.costs.batch_seconds(1):
-            return np.zeros(1, dtype=np.int64)
-        return np.concatenate([[0], order[: best + 1]])
+        if gain[best] / seconds[best] < MIN_GAIN * plain[1]:
+            return plain
+        return np.concatenate([[0], order[: best + 1]]), float(gain[best] / seconds[best])
 
     def wants_heads(self, n_nodes: int) -> bool:
         """Whether to run the heads this step: always with a tree; else every PROBE_EVERY plain steps, or seldom
@@ -134,37 +142,49 @@ class TreeSizer:
 def medusa(
     target: Decoder, heads: Heads, tree: Tree, last: int, limit: int, params: SamplingParams,
     rng: np.random.Generator, typical: bool = False, sizer: TreeSizer | None = None,
+    lookup: AutoDrafter | None = None, k_max: int = 0,
 ) -> Iterator[Step]:
     """Yield the tokens each target pass commits, at most `limit` in all; `last` is not yet decoded.
 
     `target` must return hidden states (embeddings on) and hold n_seq_max > leaves of `tree`. With a `sizer`
     (built for this `tree`) each step verifies the part of the tree it picks; without, the whole tree.
+    `auto` adds `lookup` (with a sizer): a step verifies its guess of up to k_max tokens instead, where its
+    cost model expects the guess to commit more tokens a second than the sized tree.
     """
     if tree.n_heads > heads.n_heads:
         tree = tree.truncated(heads.n_heads)  # a tree deeper than the head set: its extra levels can't be filled
     if sizer is not None and sizer.tree.choices != tree.choices:
         raise ValueError("the tree sizer was built for another tree (or for this one before its cut to the heads' depth)")
     heads.check_top_k(tree.top_k)  # before any token: a restricted candidate vocabulary may be too small
-    # First pass: `last` alone, for the hidden state the heads start from.
-    logits = target.feed([last])
-    h = target.hidden_states()[-1]
-    last = pick(logits[-1], params, rng)
-    yield Step([last], 0)
-    limit -= 1
     choose = walk_typical if typical and not params.greedy else walk
+    h = None  # the heads' input: the hidden state of the pass that picked `last` (none before the first pass)
     while limit > 0:
-        if sizer is None:
-            t = tree if tree.n_heads < limit else tree.truncated(limit - 1)
-            tokens = candidates(heads, t, h, last) if t.size > 1 else np.array([last])
+        all_tokens, heads_seconds, clock = None, 0.0, target.decode_seconds
+        if h is None:
+            nodes = np.zeros(1, dtype=np.int64)
+        elif sizer is None:
+            nodes = np.arange((tree if tree.n_heads < limit else tree.truncated(limit - 1)).size)
         else:
             nodes = sizer.plan(max_depth=limit - 1)
-            all_tokens, t0 = None, time.perf_counter()
-            if sizer.wants_heads(len(nodes)):
-                all_tokens = candidates(heads, tree, h, last)
+        if lookup is not None:
+            k = max(0, min(k_max - target.n_deferred, limit - 1))  # deferred tokens ride in front: see speculative
+            guess = lookup.propose(target.history + [last], k, params, rng)
+            rival = sizer.rate if h is not None else 0.0
+            if guess.tokens and lookup.lookup_rate(len(guess.tokens)) > rival:
+                new = verify_chain(target, last, guess, params, rng)
+                h, last = target.hidden_states()[len(new) - 1], new[-1]
+                lookup.observe(len(guess.tokens), len(new) - 1)
+                yield Step(new, len(guess.tokens))
+                limit -= len(new)
+                continue
+            if len(nodes) > 1:
+                lookup.withdraw()  # lookup times only its own and plain steps
+        if h is not None and (sizer is None or sizer.wants_heads(len(nodes))):
+            t0 = time.perf_counter()
+            all_tokens = candidates(heads, tree, h, last)
             heads_seconds = time.perf_counter() - t0
-            t = tree.subtree(nodes.tolist())
-            tokens = all_tokens[nodes] if all_tokens is not None else np.array([last])
-            clock = target.decode_seconds
+        t = tree.subtree(nodes.tolist())
+        tokens = all_tokens[nodes] if all_tokens is not None else np.array([last])
         if t.size == 1:  # a plain step needs none of the tree machinery (sequence copies, the walk)
             logits = target.feed([last])
             path, last = [0], pick(logits[-1], params, rng)
@@ -178,5 +198,7 @@ def medusa(
         new = [int(tokens[i]) for i in path[1:]] + [last]
         if sizer is not None:
             sizer.observe(all_tokens, new, heads_seconds, t.size, target.decode_seconds - clock)
+        if lookup is not None:
+            lookup.observe(0, 0)
         yield Step(new, int(t.depth.max()) if sizer is not None else t.n_heads)
         limit -= len(new)

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from ..decoder import Decoder
-from ..drafters import Drafter
+from ..drafters import Draft, Drafter
 from ..trees import walk
 from ..sampling import SamplingParams, pick, probabilities, sample
 from . import Step
@@ -67,19 +67,27 @@ def speculative(
             target.commit_tree_path(path)
             new = [int(t) for t in nodes[path[1:]]] + [nxt]
         else:
-            logits = target.feed([last, *drafts], view=True)
-            if not drafts:
-                new = [pick(logits[-1], params, rng)]
-            elif params.greedy:
-                new = accept_greedy(logits, drafts)
-            else:
-                p = probabilities(logits, params)
-                new = accept_sampled(p, pad_vocab(draft.q, p.shape[-1]), drafts, rng)
-            target.rollback_to(len(target.history) - len(drafts) + len(new) - 1)
+            new = verify_chain(target, last, draft, params, rng)
         drafter.observe(len(drafts), len(new) - 1)
         yield Step(new, len(drafts))
         last = new[-1]
         limit -= len(new)
+
+
+def verify_chain(target: Decoder, last: int, draft: Draft, params: SamplingParams, rng: np.random.Generator) -> list[int]:
+    """One target pass over [last, *draft.tokens]: the tokens it commits. The cache keeps all but the last of them,
+    and the pass's row for the last (its logits, its hidden state) is row len(new) - 1."""
+    drafts = draft.tokens
+    logits = target.feed([last, *drafts], view=True)
+    if not drafts:
+        new = [pick(logits[-1], params, rng)]
+    elif params.greedy:
+        new = accept_greedy(logits, drafts)
+    else:
+        p = probabilities(logits, params)
+        new = accept_sampled(p, pad_vocab(draft.q, p.shape[-1]), drafts, rng)
+    target.rollback_to(len(target.history) - len(drafts) + len(new) - 1)
+    return new
 
 
 def pad_vocab(q: np.ndarray, n_vocab: int) -> np.ndarray:
