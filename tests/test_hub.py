@@ -217,6 +217,10 @@ def test_demo_medusa_preset_runs_medusa_offline(env, tmp_path, smollm2_path):
     (tmp_path / "gg" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf").symlink_to(smollm2_path)
     r = run(env, "generate", "--preset", "demo-medusa", "def fibonacci(n):", "-n", "16", "--json", "-c", "256")
     assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["stats"]["method"] == "auto"  # the preset's: lookup or the heads' tree, or neither
+    r = run(env, "generate", "--preset", "demo-medusa", "def fibonacci(n):", "-n", "16", "--json", "-c", "256",
+            "--method", "medusa")
+    assert r.returncode == 0, r.stderr
     stats = json.loads(r.stdout)["stats"]
     # no draft model in this preset: drafted tokens can only come from the heads' tree, at most as deep as the
     # heads' count (4) on every pass after the first; the cost model cuts it to what pays here, maybe nothing
