@@ -15,7 +15,7 @@ import os
 import platform
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import llama_cpp
@@ -42,7 +42,9 @@ class CostModel:
     long_verify: list[float] = field(default_factory=list)
 
     def copy(self) -> CostModel:
-        return CostModel(list(self.verify), self.draft, list(self.long_sizes), list(self.long_verify))
+        """An independent copy, of the same class (a subclass may price or learn differently)."""
+        return replace(self, verify=list(self.verify), long_sizes=list(self.long_sizes),
+                       long_verify=list(self.long_verify))
 
     @property
     def k_long(self) -> tuple[int, ...]:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from ggufspec import cpu_backend
+from ggufspec.costs import CostModel
 from ggufspec.decoder import DecoderOptions, LlamaCppDecoder
 from tiny_models import TinyConfig, random_weights, read_tokenizer, write_tiny_gguf
 
@@ -65,3 +66,11 @@ def tiny_draft(tiny_dir, tokenizer_fields, tiny_weights) -> Path:
 def open_decoder(path: Path, **kw) -> LlamaCppDecoder:
     kw.setdefault("n_ctx", 1024)
     return LlamaCppDecoder(path, DecoderOptions(**kw))
+
+
+class FixedCosts(CostModel):
+    """A cost model that does not learn from the steps it prices: a test that asserts what `auto` or the tree sizer
+    chooses under given costs must not depend on what this machine's batches really cost."""
+
+    def observe(self, *args, **kwargs) -> None:
+        pass

@@ -32,6 +32,7 @@ def test_generate_json_matches_the_api(smollm2_path) -> None:
 def test_generate_chat_streams_and_prints_stats(smollm2_path) -> None:
     r = subprocess.run(
         [sys.executable, "-m", "ggufspec.cli", "generate", "-m", str(smollm2_path), "-d", str(smollm2_path),
+         "--method", "vanilla",  # drafts every step (`auto` may rightly draft nothing on this CPU): acceptance shows
          "--chat", "--system", "Answer in one short sentence.", "-n", "40", "--stats", "What is the capital of France?"],
         capture_output=True, text=True, timeout=300,
     )

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from conftest import open_decoder
+from conftest import FixedCosts, open_decoder
 from ggufspec.costs import CostModel
 from ggufspec.drafters import ModelDrafter
 from ggufspec.decoder import LlamaCppDecoder
@@ -118,9 +118,9 @@ COPY = ("Copy this text exactly: The committee met on Tuesday to review the budg
 
 def test_greedy_long_lookup_guesses(smollm2_path, smollm2_q4_0) -> None:
     """Where the answer copies the prompt, `auto` verifies lookup guesses longer than --draft-max (16-64 token
-    batches priced as cheap here), and the text is still the target's own, exactly (q8_0 cache)."""
-    costs = drafting_pays()
-    costs.long_sizes, costs.long_verify = [16, 32, 64], [0.03, 0.035, 0.045]
+    batches priced as cheap here, and kept so: learning this CPU's costs may rightly turn them off), and the text
+    is still the target's own, exactly (q8_0 cache)."""
+    costs = FixedCosts(drafting_pays().verify, 0.002, [16, 32, 64], [0.03, 0.035, 0.045])
     prompt = [{"role": "user", "content": COPY}]
     with SpeculativeEngine.load(smollm2_path, smollm2_q4_0, costs=costs) as engine:
         ref = engine.generate(prompt, GenerationSettings(max_tokens=60, method="autoregressive"))
