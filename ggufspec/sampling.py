@@ -69,10 +69,26 @@ def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     return probs
 
 
+SAMPLE_BLOCK = 256
+
+
 def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
-    """One token id drawn from a 1-D distribution."""
-    cdf = np.cumsum(probs)
-    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(probs) - 1))
+    """One token id drawn from a 1-D distribution (weights >= 0, not all 0; need not sum to 1), by inverse CDF.
+
+    Two levels, blocks of SAMPLE_BLOCK tokens then a token in the block: numpy's cumsum runs serially, and over a
+    whole 49k vocabulary it took 0.16 ms a draw here (a draw per committed token, and per judged row when sampling).
+    """
+    n_full = len(probs) // SAMPLE_BLOCK * SAMPLE_BLOCK
+    sums = np.append(probs[:n_full].reshape(-1, SAMPLE_BLOCK).sum(axis=1), probs[n_full:].sum())
+    cdf = np.cumsum(sums)
+    r = rng.random() * cdf[-1]
+    # rounding may put r at the very end: never land on a block (or below, a token) of weight 0
+    i = min(int(np.searchsorted(cdf, r, side="right")), int(np.flatnonzero(sums)[-1]))
+    block = probs[i * SAMPLE_BLOCK : (i + 1) * SAMPLE_BLOCK]
+    j = int(np.searchsorted(np.cumsum(block), r - (cdf[i - 1] if i else 0.0), side="right"))
+    if j >= len(block):
+        j = int(np.flatnonzero(block)[-1])
+    return i * SAMPLE_BLOCK + j
 
 
 def pick(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:

@@ -56,6 +56,17 @@ def test_accept_sampled_follows_p(case: str) -> None:
         assert lengths[3] == RUNS, "with q = p every draft must be accepted and a bonus token added"
 
 
+def test_sample_over_a_large_vocabulary() -> None:
+    """Unnormalised weights spread over many blocks, the last one short, zeros between: draws follow them exactly."""
+    weights = np.zeros(49_152 + 100)
+    picks = [0, 255, 256, 1000, 20_000, 49_151, 49_152, 49_251]  # block edges and the short last block
+    weights[picks] = [3, 1, 2, 5, 0.5, 4, 1, 2]
+    rng = np.random.default_rng(7)
+    counts = np.bincount([sample(weights, rng) for _ in range(RUNS)], minlength=len(weights))
+    _check(counts, weights / weights.sum())
+    assert sample(np.eye(5)[4], rng) == 4 and sample(np.eye(300)[0], rng) == 0
+
+
 def test_accept_greedy_stops_at_first_mismatch() -> None:
     logits = np.array([[0, 5, 1], [9, 0, 0], [0, 0, 3], [1, 0, 0]], dtype=np.float32)
     assert accept_greedy(logits, [1, 0, 2]) == [1, 0, 2, 0]  # all kept + bonus
