@@ -192,6 +192,7 @@ MIN_GAIN = 1.05  # drafting only when expected to beat plain decoding by this fa
 # A lookup guess longer than the draft length is verified only where the text before it repeats earlier
 # text for at least this many tokens: a copy, not a chance n-gram
 LONG_MATCH = 16
+COPY_PRIOR = 0.9  # what a guess that continues such a copy is expected to keep, before any evidence
 
 
 class AdaptiveLength:
@@ -285,8 +286,9 @@ class AdaptiveLength:
 
 
 class AutoDrafter:
-    """`auto`: prompt lookup when the text repeats itself and verifying its guess pays, else the draft
-    model when drafting pays, else a plain step.
+    """`auto`: prompt lookup when the text repeats itself and verifying its guess pays (guesses that continue a
+    copy of earlier text priced apart from chance n-gram matches), else the draft model when drafting pays, else
+    a plain step.
 
     Each source keeps its own acceptance, and lookup's guesses cost no draft decodes, so lookup can
     pay on a machine where the draft model cannot.
@@ -297,6 +299,10 @@ class AutoDrafter:
         self.lookup, self.model, self.k_max = lookup, model, k_max
         self.context_costs = ContextCosts(costs)
         self.lookup_length = AdaptiveLength(costs, k_max, free=True, target=target, longer=costs.k_long)
+        # guesses whose context repeats earlier text for LONG_MATCH tokens (the answer copies): kept far more often
+        # than chance n-gram matches, so priced by their own record (one estimate for both kept lookup off on
+        # summaries where llama.cpp's ngram-mod verified nearly every copied token: docs/benchmarks-2026-11-25-zen4.md)
+        self.copy_length = AdaptiveLength(costs, k_max, prior=COPY_PRIOR, free=True, target=target, longer=costs.k_long)
         self.model_length = AdaptiveLength(costs, k_max, target=target, draft=draft) if model is not None else None
         self.target, self.draft = target, draft
         self.source: AdaptiveLength | None = None  # whose proposal the target is judging
@@ -313,12 +319,12 @@ class AutoDrafter:
 
     def price_at(self, n_ctx: int) -> None:
         """Price the next steps at the costs learned for a context of n_ctx tokens."""
-        for length in (self.lookup_length, self.model_length):
+        for length in (self.lookup_length, self.copy_length, self.model_length):
             if length is not None:
                 length.costs = self.context_costs.at(n_ctx)
 
     def restart(self) -> AutoDrafter:
-        for length in (self.lookup_length, self.model_length):
+        for length in (self.lookup_length, self.copy_length, self.model_length):
             if length is not None:
                 length.restart()
         return self
@@ -339,9 +345,15 @@ class AutoDrafter:
         if k <= 0:
             return Draft([])
         self.price_at(len(context))
+        copy = self.lookup.find(context, k)
+        if copy and self.lookup.match >= LONG_MATCH:
+            self.source = self.copy_length
+            n = self.copy_length.choose()
+            if n and not self._model_beats_lookup(min(n, len(copy)), self.copy_length):
+                return self.lookup.propose(context, min(n, k), params, rng)
         self.source = self.lookup_length
         n = min(self.lookup_length.choose(), k)
-        if n:  # searched only when its guess would be verified: on a fast target the search shows
+        if n:
             draft = self.lookup.propose(context, n, params, rng)
             if len(draft.tokens) > self.k_max and self.lookup.match < LONG_MATCH:
                 draft = Draft(draft.tokens[: self.k_max], None if draft.q is None else draft.q[: self.k_max])
@@ -365,14 +377,15 @@ class AutoDrafter:
         unseen = len(context) - common_prefix(self.draft.history, context)
         return unseen * m.costs.draft <= m.probe_every * m.costs.verify[0]
 
-    def _model_beats_lookup(self, n: int) -> bool:
+    def _model_beats_lookup(self, n: int, length: AdaptiveLength | None = None) -> bool:
         """While the draft model drafts, lookup is not free: the draft must still decode every token a lookup
         step commits before it drafts again. Charged here at a draft step per token (a catch-up batch costs
         a little less), lookup's guess is verified only if it still beats the model's own proposal."""
         if not self.uses_model():
             return False
         costs, model = self.costs, self.model_length
-        tokens = costs.expected_tokens(n, self.lookup_length.acceptance)  # its last entry: all deeper positions
+        # its last entry: all deeper positions
+        tokens = costs.expected_tokens(n, (length or self.lookup_length).acceptance)
         lookup_rate = tokens / (costs.step_seconds(n, free=True) + tokens * costs.draft)
         return costs.expected_rate(model.planned(), model.acceptance) > lookup_rate
 

@@ -74,8 +74,9 @@ def test_lookup_learns_its_way_to_long_guesses_through_full_short_ones() -> None
 def test_a_long_lookup_guess_needs_a_long_copy_before_it() -> None:
     greedy, rng = SamplingParams(), np.random.default_rng(0)
     auto = AutoDrafter(LookupDrafter(200), None, LONG.copy(), 3)
-    auto.lookup_length.acceptance = [0.99] * 4
-    auto.lookup_length.update(3, 3)  # the last guess was kept whole
+    for length in (auto.lookup_length, auto.copy_length):  # chance n-grams and copies: each keeps its own record
+        length.acceptance = [0.99] * 4
+        length.update(3, 3)  # the last guess was kept whole
     text = list(range(10, 90))  # 80 distinct tokens
     assert auto.k_cap == 63
     guess = auto.propose(text + text[:20], auto.k_cap, greedy, rng).tokens  # 20 tokens into a copy of it
@@ -324,15 +325,33 @@ def test_costs_learned_at_a_long_context_do_not_price_a_short_one() -> None:
     costs_at_700 = [0.125, 0.21, 0.26, 0.30]
     verified = []
     for _ in range(15):
-        auto.lookup_length.acceptance = [0.6] * 3  # at the XEON costs, 0.6 pays; at those after 700 tokens, not
+        # at the XEON costs, 0.6 pays; at those after 700 tokens, not (this text is a copy of itself: both estimates)
+        auto.lookup_length.acceptance = auto.copy_length.acceptance = [0.6] * 3
         tokens = auto.propose([5, 6, 7, 8, 9] * 140, 3, greedy, rng).tokens
         target.decode_seconds += costs_at_700[len(tokens)]
         auto.observe(len(tokens), min(1, len(tokens)))
         verified.append(len(tokens))
     assert verified[0] == 3 and verified[-5:] == [0] * 5
-    auto.lookup_length.acceptance = [0.6] * 3
+    auto.lookup_length.acceptance = auto.copy_length.acceptance = [0.6] * 3
     assert auto.propose([5, 6, 7, 8, 9] * 20, 3, greedy, rng).tokens == [5, 6, 7]
     assert auto.costs.verify == XEON.verify  # the start-up measurement prices short contexts still
+
+
+def test_copies_are_priced_by_their_own_record() -> None:
+    """Where chance n-gram guesses have failed (lookup off at these Zen 4 costs), a guess that continues a 16-token
+    copy of earlier text is still verified, on the record of copies alone."""
+    greedy, rng = SamplingParams(), np.random.default_rng(0)
+    auto = AutoDrafter(LookupDrafter(1000), None, CostModel(list(ZEN4.verify), ZEN4.draft), 3)
+    auto.lookup_length.acceptance = [0.3] * 3
+    text = list(range(100, 140))
+    chance = text + [7, 8, 9] + list(range(200, 210)) + [7, 8]  # only a 2-gram stands before the guess
+    assert auto.propose(chance, 3, greedy, rng).tokens == []
+    copy = text + text[:20]  # the last 20 tokens repeat earlier text
+    assert auto.propose(copy, 3, greedy, rng).tokens == text[20:23]
+    auto.observe(3, 0)
+    for _ in range(11):  # copies whose guesses are not kept turn it off too (before its first probe)
+        auto.observe(len(auto.propose(copy, 3, greedy, rng).tokens), 0)
+    assert auto.propose(copy, 3, greedy, rng).tokens == []
 
 
 def test_each_context_size_learns_its_own_costs() -> None:
