@@ -105,8 +105,9 @@ class ModelDrafter:
             # the draft's top probability: the chance its best guess is kept when greedy; when sampling, a calibrated
             # estimate of its draw's acceptance (bench pair, 1280 positions of text sampled at 0.7: kept 77.2% of
             # the time, top probability 77.4% on average; the drawn token's own probability, 68.7%, stopped chains early)
-            reach.append(reach[-1] * float(z.max()))
-            if len(chain) == k or reach[-1] < self.reach_min or z.max() < self.p_min:
+            top = float(z.max())
+            reach.append(reach[-1] * top)
+            if len(chain) == k or reach[-1] < self.reach_min or top < self.p_min:
                 break
             logits = self.draft.feed([chain[-1]], view=True)[-1, : self.n_vocab]
         room = min(k - len(chain), self.tree_leaves - 1)  # every runner-up is a leaf, as is the chain's end
