@@ -175,7 +175,10 @@ class LookupDrafter:
         pass
 
     def propose(self, context, k, params, rng):
-        tokens = self.find(context, k) if k > 0 else []
+        return self.draft(self.find(context, k) if k > 0 else [], params)
+
+    def draft(self, tokens: list[int], params: SamplingParams) -> Draft:
+        """A guess as a Draft: when sampling, each token with all of q's mass (a point guess)."""
         if params.greedy or not tokens:
             return Draft(tokens)
         q = np.zeros((len(tokens), self.n_vocab))
@@ -299,7 +302,7 @@ class AutoDrafter:
                  target: LlamaCppDecoder | None = None, draft: LlamaCppDecoder | None = None) -> None:
         self.lookup, self.model, self.k_max = lookup, model, k_max
         self.context_costs = ContextCosts(costs)
-        self.lookup_length = AdaptiveLength(costs, k_max, free=True, target=target, longer=costs.k_long)
+        self.lookup_length = AdaptiveLength(costs, k_max, free=True, target=target)  # chance n-gram matches
         # guesses whose context repeats earlier text for LONG_MATCH tokens (the answer copies): kept far more often
         # than chance n-gram matches, so priced by their own record (one estimate for both kept lookup off on
         # summaries where llama.cpp's ngram-mod verified nearly every copied token: docs/benchmarks-2026-11-25-zen4.md)
@@ -310,8 +313,8 @@ class AutoDrafter:
 
     @property
     def k_cap(self) -> int:
-        """The most tokens a step may draft: lookup's long guesses, where measured, else k_max."""
-        return max((self.k_max, *self.lookup_length.longer))
+        """The most tokens a step may draft: long guesses that continue a copy, where measured, else k_max."""
+        return max((self.k_max, *self.copy_length.longer))
 
     @property
     def costs(self) -> CostModel:
@@ -346,20 +349,12 @@ class AutoDrafter:
         if k <= 0:
             return Draft([])
         self.price_at(len(context))
-        copy = self.lookup.find(context, k)
-        if copy and self.lookup.match >= LONG_MATCH:
-            self.source = self.copy_length
-            n = self.copy_length.choose()
-            if n and not self._model_beats_lookup(min(n, len(copy)), self.copy_length):
-                return self.lookup.propose(context, min(n, k), params, rng)
-        self.source = self.lookup_length
-        n = min(self.lookup_length.choose(), k)
-        if n:
-            draft = self.lookup.propose(context, n, params, rng)
-            if len(draft.tokens) > self.k_max and self.lookup.match < LONG_MATCH:
-                draft = Draft(draft.tokens[: self.k_max], None if draft.q is None else draft.q[: self.k_max])
-            if draft.tokens and not self._model_beats_lookup(len(draft.tokens)):
-                return draft
+        guess = self.lookup.find(context, k)
+        copying = self.lookup.match >= LONG_MATCH  # else a chance n-gram match: never a guess past k_max
+        self.source = self.copy_length if copying else self.lookup_length
+        n = min(self.source.choose(), len(guess) if copying else min(len(guess), self.k_max))
+        if n and not self._model_beats_lookup(n, self.source):
+            return self.lookup.draft(guess[:n], params)
         if self.model_length is not None and self._catch_up_pays(context):
             self.source = self.model_length
             # deferred tokens (see commit_tree_path) ride in the batch: it stays within the measured sizes
@@ -378,15 +373,14 @@ class AutoDrafter:
         unseen = len(context) - common_prefix(self.draft.history, context)
         return unseen * m.costs.draft <= m.probe_every * m.costs.verify[0]
 
-    def _model_beats_lookup(self, n: int, length: AdaptiveLength | None = None) -> bool:
+    def _model_beats_lookup(self, n: int, length: AdaptiveLength) -> bool:
         """While the draft model drafts, lookup is not free: the draft must still decode every token a lookup
         step commits before it drafts again. Charged here at a draft step per token (a catch-up batch costs
         a little less), lookup's guess is verified only if it still beats the model's own proposal."""
         if not self.uses_model():
             return False
         costs, model = self.costs, self.model_length
-        # its last entry: all deeper positions
-        tokens = costs.expected_tokens(n, (length or self.lookup_length).acceptance)
+        tokens = costs.expected_tokens(n, length.acceptance)  # its last entry: all deeper positions
         lookup_rate = tokens / (costs.step_seconds(n, free=True) + tokens * costs.draft)
         return costs.expected_rate(model.planned(), model.acceptance) > lookup_rate
 
@@ -399,6 +393,8 @@ class AutoDrafter:
         self.source = None
 
     def lookup_rate(self, n: int) -> float:
-        """Expected tokens per second of verifying an n-token lookup guess, at the current context's costs."""
-        return self.lookup_length.costs.expected_rate(n, self.lookup_length.acceptance, free=True)
+        """Expected tokens per second of verifying the n-token lookup guess just proposed (a copy's or a chance
+        match's, on its own record), at the current context's costs."""
+        length = self.copy_length if self.source is self.copy_length else self.lookup_length
+        return length.costs.expected_rate(n, length.acceptance, free=True)
 

@@ -75,7 +75,7 @@ def test_a_long_lookup_guess_needs_a_long_copy_before_it() -> None:
     greedy, rng = SamplingParams(), np.random.default_rng(0)
     auto = AutoDrafter(LookupDrafter(200), None, LONG.copy(), 3)
     for length in (auto.lookup_length, auto.copy_length):  # chance n-grams and copies: each keeps its own record
-        length.acceptance = [0.99] * 4
+        length.acceptance = [0.99] * len(length.acceptance)
         length.update(3, 3)  # the last guess was kept whole
     text = list(range(10, 90))  # 80 distinct tokens
     assert auto.k_cap == 63
@@ -348,6 +348,8 @@ def test_copies_are_priced_by_their_own_record() -> None:
     assert auto.propose(chance, 3, greedy, rng).tokens == []
     copy = text + text[:20]  # the last 20 tokens repeat earlier text
     assert auto.propose(copy, 3, greedy, rng).tokens == text[20:23]
+    plain = auto.costs.expected_rate(0, 0)
+    assert auto.lookup_rate(3) > plain  # Medusa's `auto` weighs the guess against its tree on the copies' record too
     auto.observe(3, 0)
     for _ in range(11):  # copies whose guesses are not kept turn it off too (before its first probe)
         auto.observe(len(auto.propose(copy, 3, greedy, rng).tokens), 0)
