@@ -161,11 +161,19 @@ class LookupDrafter:
             for j in range(1, n):
                 hits = hits[ctx[hits - j] == ctx[-1 - j]]
             if len(hits):
-                start = int(hits[-1]) + 1
-                m = min(LONG_MATCH, start)  # how far back the copy goes
-                same = ctx[start - m : start][::-1] == ctx[len(ctx) - m :][::-1]
-                self.match = m if same.all() else int(np.argmin(same))
-                return ctx[start : start + k].tolist()
+                # how far back each earlier occurrence matches the tail (up to LONG_MATCH): the latest that a copy
+                # stands behind wins, else the latest (text that repeats a phrase often has a later chance match)
+                back = np.arange(LONG_MATCH)
+                before = hits[:, None] - back
+                same = (before >= 0) & (ctx[np.maximum(before, 0)] == ctx[np.maximum(len(ctx) - 1 - back, 0)])
+                lengths = np.where(same.all(axis=1), LONG_MATCH, same.argmin(axis=1))
+                copies = np.flatnonzero(lengths == LONG_MATCH)
+                at = copies[-1] if len(copies) else len(hits) - 1
+                start, self.match = int(hits[at]) + 1, int(lengths[at])
+                # a match that runs into the tail is text repeating with this period: the guess goes on repeating
+                # it, as a lookup fed its own guess would (a loop of 7 tokens otherwise capped guesses at 7)
+                period = len(ctx) - start
+                return ctx[start + np.arange(k) % period].tolist()
         return []
 
     def prefill(self, context: list[int]) -> None:

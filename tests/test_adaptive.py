@@ -22,7 +22,20 @@ def test_lookup_continues_the_latest_longest_match() -> None:
     assert d.find([1, 2, 3, 4, 9, 1, 2, 3, 5, 6, 1, 2, 3], 3) == [5, 6, 1]  # latest of two 3-gram matches
     assert d.find([1, 2, 3, 4, 5, 9, 4, 5], 2) == [9, 4]  # 3-gram "9 4 5"? no: falls back to "4 5"
     assert d.find([1, 2, 3], 2) == []
-    assert d.find([7, 7, 7, 7], 4) == [7]  # a run continues itself, the tail is not its own match
+    assert d.find([7, 7, 7, 7], 4) == [7] * 4  # a run continues itself (the tail is not its own match)
+    loop = [3, 1, 4, 1, 5, 9, 2] * 4  # text in a loop: the guess goes round it, not only to the tail
+    assert d.find(loop, 17) == (loop * 2)[:17]
+    assert d.find([1, 2, 3, 4, 5, 1, 2], 3) == [3, 4, 5]  # room before the tail: as before
+
+
+def test_lookup_prefers_the_copy_to_a_later_chance_match() -> None:
+    """A phrase repeated since (a chance match, latest) does not hide the passage the tail copies."""
+    d = LookupDrafter(n_vocab=100)
+    s = list(range(10, 40))
+    text = s + [91, 92, 93] + s[20:24] + [95] + s[:24]  # the tail copies s; its last 4 tokens also stand after 93
+    assert d.find(text, 5) == s[24:29] and d.match == LONG_MATCH
+    shorter = text[: -24] + s[17:24]  # only 7 tokens copied: no copy behind either match, so the latest, as before
+    assert d.find(shorter, 3) == [95] + s[17:19] and d.match == 4
     tokens, q, tree = d.propose([5, 6, 8, 5, 6], 2, SamplingParams(1.0), np.random.default_rng(0))
     assert tokens == [8, 5] and q.shape == (2, 100) and q[0, 8] == q[1, 5] == 1 and q.sum() == 2 and tree is None
 
