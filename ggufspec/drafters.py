@@ -280,9 +280,11 @@ class AdaptiveLength:
             a[i] = m * a[i] + (1 - m) * (i < accepted)
         if drafted:
             self._all_kept = accepted == drafted
-        deep = range(self.k_max - 1, judged)
-        if self.longer and deep:  # the deep positions' entry: one observation a step, the share of them kept
-            a[-1] = m * a[-1] + (1 - m) * sum(i < accepted for i in deep) / len(deep)
+        # the deep positions share one entry, observed by each judged position: the chance that a copy holds one more
+        # token (as one observation a step, a short miss weighed like a long run kept whole; 16-token guesses were
+        # then picked where 64-token ones paid, in copies of 100+ tokens)
+        for i in range(self.k_max - 1, judged) if self.longer else ():
+            a[-1] = m * a[-1] + (1 - m) * (i < accepted)
         c = self.costs
         spent = c.step_seconds(drafted, self.free)
         if self._clocks[0] is not None:
