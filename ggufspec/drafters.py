@@ -280,9 +280,9 @@ class AdaptiveLength:
             a[i] = m * a[i] + (1 - m) * (i < accepted)
         if drafted:
             self._all_kept = accepted == drafted
-        # the deep positions share one entry, observed by each judged position: the chance that a copy holds one more
-        # token (as one observation a step, a short miss weighed like a long run kept whole; 16-token guesses were
-        # then picked where 64-token ones paid, in copies of 100+ tokens)
+        # the deep positions share one entry, observed by each judged position: the chance that a copy holds for one
+        # more token (as one observation a step, a short miss weighed like a long run kept whole, and guesses stayed
+        # at 15 tokens in copies of 100+)
         for i in range(self.k_max - 1, judged) if self.longer else ():
             a[-1] = m * a[-1] + (1 - m) * (i < accepted)
         c = self.costs

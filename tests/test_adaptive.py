@@ -26,6 +26,8 @@ def test_lookup_continues_the_latest_longest_match() -> None:
     loop = [3, 1, 4, 1, 5, 9, 2] * 4  # text in a loop: the guess goes round it, not only to the tail
     assert d.find(loop, 17) == (loop * 2)[:17]
     assert d.find([1, 2, 3, 4, 5, 1, 2], 3) == [3, 4, 5]  # room before the tail: as before
+    tokens, q, tree = d.propose([5, 6, 8, 5, 6], 2, SamplingParams(1.0), np.random.default_rng(0))
+    assert tokens == [8, 5] and q.shape == (2, 100) and q[0, 8] == q[1, 5] == 1 and q.sum() == 2 and tree is None
 
 
 def test_lookup_prefers_the_copy_to_a_later_chance_match() -> None:
@@ -36,8 +38,6 @@ def test_lookup_prefers_the_copy_to_a_later_chance_match() -> None:
     assert d.find(text, 5) == s[24:29] and d.match == LONG_MATCH
     shorter = text[: -24] + s[17:24]  # only 7 tokens copied: no copy behind either match, so the latest, as before
     assert d.find(shorter, 3) == [95] + s[17:19] and d.match == 4
-    tokens, q, tree = d.propose([5, 6, 8, 5, 6], 2, SamplingParams(1.0), np.random.default_rng(0))
-    assert tokens == [8, 5] and q.shape == (2, 100) and q[0, 8] == q[1, 5] == 1 and q.sum() == 2 and tree is None
 
 
 def test_cost_model_prefers_long_drafts_only_when_they_pay() -> None:
@@ -82,6 +82,19 @@ def test_lookup_learns_its_way_to_long_guesses_through_full_short_ones() -> None
         k = lookup.choose()
         lookup.update(k, 0)
     assert lookup.planned() <= 3
+
+
+def test_a_short_miss_does_not_outweigh_long_runs_kept_whole() -> None:
+    """The deep positions' acceptance is the chance that a copy holds for one more token: copies of ~35 tokens
+    (two 15-token guesses kept whole, then a miss 5 tokens in) keep long guesses worth verifying where a
+    16-token batch costs 7.4 decodes (Zen 4 costs)."""
+    costs = CostModel([0.0332, 0.059, 0.085, 0.088], 0.0103, [16, 32, 64], [0.245, 0.476, 0.968])
+    copy = AdaptiveLength(costs, 3, prior=0.9, free=True, longer=costs.k_long)
+    for _ in range(4):
+        for kept in (15, 15, 5):
+            copy.update(15, kept)
+    copy.update(15, 15)
+    assert copy.acceptance[-1] > 0.95 and copy.planned() in costs.k_long
 
 
 def test_a_long_lookup_guess_needs_a_long_copy_before_it() -> None:
