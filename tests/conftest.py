@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,10 @@ os.environ.setdefault("GGUFSPEC_THREADS", "1")
 # Tests that open models with llama_cpp.Llama directly get the same safe CPU kernels as ggufspec's decoders
 # (on Xeons with AMX, llama.cpp's AMX kernels crash this build: see cpu_backend).
 CPU_BACKEND = cpu_backend.prepare()
+# A test run started in the background by a script inherits SIGINT ignored, and so would every command the tests
+# interrupt (a run launched so here failed all six Ctrl-C tests): they get the default back.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 REPO = Path(__file__).resolve().parents[1]
 SMOLLM2 = Path(os.environ.get("GGUFSPEC_TEST_MODEL", REPO / ".cache" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"))
