@@ -312,7 +312,8 @@ class AutoDrafter:
                  target: LlamaCppDecoder | None = None, draft: LlamaCppDecoder | None = None) -> None:
         self.lookup, self.model, self.k_max = lookup, model, k_max
         self.context_costs = ContextCosts(costs)
-        self.lookup_length = AdaptiveLength(costs, k_max, free=True, target=target)  # chance n-gram matches
+        # chance n-gram matches: no long lengths, so never a guess past k_max
+        self.lookup_length = AdaptiveLength(costs, k_max, free=True, target=target)
         # guesses whose context repeats earlier text for LONG_MATCH tokens (the answer copies): kept far more often
         # than chance n-gram matches, so priced by their own record (one estimate for both kept lookup off on
         # summaries where llama.cpp's ngram-mod verified nearly every copied token: docs/benchmarks-2026-11-25-zen4.md)
@@ -360,9 +361,8 @@ class AutoDrafter:
             return Draft([])
         self.price_at(len(context))
         guess = self.lookup.find(context, k)
-        copying = self.lookup.match >= LONG_MATCH  # else a chance n-gram match: never a guess past k_max
-        self.source = self.copy_length if copying else self.lookup_length
-        n = min(self.source.choose(), len(guess) if copying else min(len(guess), self.k_max))
+        self.source = self.copy_length if self.lookup.match >= LONG_MATCH else self.lookup_length
+        n = min(self.source.choose(), len(guess))
         if n and not self._model_beats_lookup(n, self.source):
             return self.lookup.draft(guess[:n], params)
         if self.model_length is not None and self._catch_up_pays(context):
@@ -403,8 +403,7 @@ class AutoDrafter:
         self.source = None
 
     def lookup_rate(self, n: int) -> float:
-        """Expected tokens per second of verifying the n-token lookup guess just proposed (a copy's or a chance
-        match's, on its own record), at the current context's costs."""
-        length = self.copy_length if self.source is self.copy_length else self.lookup_length
-        return length.costs.expected_rate(n, length.acceptance, free=True)
+        """Expected tokens per second of verifying the n-token lookup guess just proposed, on the record of its
+        kind (a copy's or a chance match's), at the current context's costs."""
+        return self.source.costs.expected_rate(n, self.source.acceptance, free=True)
 
