@@ -161,14 +161,13 @@ class LookupDrafter:
             for j in range(1, n):
                 hits = hits[ctx[hits - j] == ctx[-1 - j]]
             if len(hits):
-                # how far back each earlier occurrence matches the tail (up to LONG_MATCH): the latest that a copy
-                # stands behind wins, else the latest (text that repeats a phrase often has a later chance match)
+                # how far back each earlier occurrence matches the tail (up to LONG_MATCH): the longest wins, the
+                # latest among equals (text that repeats a phrase often has a later, shorter chance match)
                 back = np.arange(LONG_MATCH)
                 before = hits[:, None] - back
                 same = (before >= 0) & (ctx[np.maximum(before, 0)] == ctx[np.maximum(len(ctx) - 1 - back, 0)])
                 lengths = np.where(same.all(axis=1), LONG_MATCH, same.argmin(axis=1))
-                copies = np.flatnonzero(lengths == LONG_MATCH)
-                at = copies[-1] if len(copies) else len(hits) - 1
+                at = len(hits) - 1 - int(np.argmax(lengths[::-1]))
                 start, self.match = int(hits[at]) + 1, int(lengths[at])
                 # a match that runs into the tail is text repeating with this period: the guess goes on repeating
                 # it, as a lookup fed its own guess would (a loop of 7 tokens otherwise capped guesses at 7)
@@ -205,6 +204,10 @@ MIN_GAIN = 1.05  # drafting only when expected to beat plain decoding by this fa
 # text for at least this many tokens: a copy, not a chance n-gram
 LONG_MATCH = 16
 COPY_PRIOR = 0.9  # what a guess that continues such a copy is expected to keep, before any evidence
+# A guess whose context matches earlier text for at least this many tokens is priced apart from shorter matches:
+# on copying answers here its first token was kept ~0.8 of the time, against ~0.6 after a 2- or 3-token match
+# (docs/benchmarks-2026-11-25-zen4.md), and waiting for LONG_MATCH took 14 plain steps into every copy
+PHRASE_MATCH = 4
 
 
 class AdaptiveLength:
@@ -273,18 +276,22 @@ class AdaptiveLength:
         rate = self.costs.expected_rate
         return k > 0 and rate(k, OPTIMISTIC, self.free) >= PROBE_GAIN * rate(0, 0)
 
-    def update(self, drafted: int, accepted: int) -> None:
+    def learn(self, drafted: int, accepted: int) -> None:
+        """Acceptance only: of `drafted` guessed tokens, the first `accepted` were (or would have been) kept."""
         # tokens after the first rejection were never judged: they say nothing about acceptance
         a, m, judged = self.acceptance, self.memory, min(drafted, accepted + 1)
         for i in range(min(judged, self.k_max)):
             a[i] = m * a[i] + (1 - m) * (i < accepted)
-        if drafted:
-            self._all_kept = accepted == drafted
         # the deep positions share one entry, observed by each judged position: the chance that a copy holds for one
         # more token (as one observation a step, a short miss weighed like a long run kept whole, and guesses stayed
         # at 15 tokens in copies of 100+)
         for i in range(self.k_max - 1, judged) if self.longer else ():
             a[-1] = m * a[-1] + (1 - m) * (i < accepted)
+
+    def update(self, drafted: int, accepted: int) -> None:
+        self.learn(drafted, accepted)
+        if drafted:
+            self._all_kept = accepted == drafted
         c = self.costs
         spent = c.step_seconds(drafted, self.free)
         if self._clocks[0] is not None:
@@ -300,9 +307,9 @@ class AdaptiveLength:
 
 
 class AutoDrafter:
-    """`auto`: prompt lookup when the text repeats itself and verifying its guess pays (guesses that continue a
-    copy of earlier text priced apart from chance n-gram matches), else the draft model when drafting pays, else
-    a plain step.
+    """`auto`: prompt lookup when the text repeats itself and verifying its guess pays (priced by how far back its
+    match reaches: a chance n-gram, a phrase said again or a copy starting, a copy), else the draft model when
+    drafting pays, else a plain step.
 
     Each source keeps its own acceptance, and lookup's guesses cost no draft decodes, so lookup can
     pay on a machine where the draft model cannot.
@@ -312,15 +319,18 @@ class AutoDrafter:
                  target: LlamaCppDecoder | None = None, draft: LlamaCppDecoder | None = None) -> None:
         self.lookup, self.model, self.k_max = lookup, model, k_max
         self.context_costs = ContextCosts(costs)
-        # chance n-gram matches: no long lengths, so never a guess past k_max
+        # each kind of lookup match keeps its own record (one estimate for all kept lookup off on summaries where
+        # llama.cpp's ngram-mod verified nearly every copied token: docs/benchmarks-2026-11-25-zen4.md)
+        # chance n-gram matches, under PHRASE_MATCH tokens
         self.lookup_length = AdaptiveLength(costs, k_max, free=True, target=target)
-        # guesses whose context repeats earlier text for LONG_MATCH tokens (the answer copies): kept far more often
-        # than chance n-gram matches, so priced by their own record (one estimate for both kept lookup off on
-        # summaries where llama.cpp's ngram-mod verified nearly every copied token: docs/benchmarks-2026-11-25-zen4.md)
+        # matches of PHRASE_MATCH up to LONG_MATCH tokens: a phrase said again, or the first tokens of a copy
+        self.phrase_length = AdaptiveLength(costs, k_max, free=True, target=target)
+        # the answer copies earlier text (LONG_MATCH tokens or more): the only kind whose guesses may run past k_max
         self.copy_length = AdaptiveLength(costs, k_max, prior=COPY_PRIOR, free=True, target=target, longer=costs.k_long)
         self.model_length = AdaptiveLength(costs, k_max, target=target, draft=draft) if model is not None else None
         self.target, self.draft = target, draft
         self.source: AdaptiveLength | None = None  # whose proposal the target is judging
+        self._unverified: list[tuple[AdaptiveLength, int, list[int]]] = []  # lookup guesses not verified: see propose
 
     @property
     def k_cap(self) -> int:
@@ -334,15 +344,19 @@ class AutoDrafter:
 
     def price_at(self, n_ctx: int) -> None:
         """Price the next steps at the costs learned for a context of n_ctx tokens."""
-        for length in (self.lookup_length, self.copy_length, self.model_length):
-            if length is not None:
-                length.costs = self.context_costs.at(n_ctx)
+        for length in self._records:
+            length.costs = self.context_costs.at(n_ctx)
 
     def restart(self) -> AutoDrafter:
-        for length in (self.lookup_length, self.copy_length, self.model_length):
-            if length is not None:
-                length.restart()
+        for length in self._records:
+            length.restart()
+        self._unverified.clear()
         return self
+
+    @property
+    def _records(self) -> list[AdaptiveLength]:
+        lookup = [self.lookup_length, self.phrase_length, self.copy_length]
+        return lookup if self.model_length is None else [*lookup, self.model_length]
 
     def prefill(self, context: list[int]) -> None:
         """The draft model decodes the prompt only where it is expected to draft (often never on CPUs)."""
@@ -360,11 +374,16 @@ class AutoDrafter:
         if k <= 0:
             return Draft([])
         self.price_at(len(context))
+        self._judge_unverified(context)
         guess = self.lookup.find(context, k)
-        self.source = self.copy_length if self.lookup.match >= LONG_MATCH else self.lookup_length
+        match = self.lookup.match
+        self.source = (self.copy_length if match >= LONG_MATCH else
+                       self.phrase_length if match >= PHRASE_MATCH else self.lookup_length)
         n = min(self.source.choose(), len(guess))
         if n and not self._model_beats_lookup(n, self.source):
             return self.lookup.draft(guess[:n], params)
+        if guess:
+            self._unverified.append((self.source, len(context), guess[: self.k_max]))
         if self.model_length is not None and self._catch_up_pays(context):
             self.source = self.model_length
             # deferred tokens (see commit_tree_path) ride in the batch: it stays within the measured sizes
@@ -372,6 +391,21 @@ class AutoDrafter:
             if n:
                 return self.model.propose(context, n, params, rng)
         return Draft([])
+
+    def _judge_unverified(self, context: list[int]) -> None:
+        """A guess left unverified still teaches its record, once the target has committed the tokens it guessed
+        (up to the first miss): the target's own pick, a draw when sampling, equals a guessed token exactly as often
+        as verifying would keep it. So a record that is off learns without probes whether it would pay: copies are
+        entered on their first tokens, and phrases said again where the answer does not copy stay unverified."""
+        pending = []
+        for record, at, tokens in self._unverified:
+            seen = context[at : at + len(tokens)]
+            kept = common_prefix(seen, tokens)
+            if kept < len(seen) or len(seen) == len(tokens):
+                record.learn(len(tokens), kept)
+            else:
+                pending.append((record, at, tokens))
+        self._unverified = pending
 
     def _catch_up_pays(self, context: list[int]) -> bool:
         """The draft model is not started where catching up on the context it has not seen would cost more

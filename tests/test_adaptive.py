@@ -10,8 +10,8 @@ import pytest
 
 import ggufspec.costs as costs_module
 from ggufspec.costs import ContextCosts, CostModel, measure
-from ggufspec.drafters import (LONG_MATCH, MIN_GAIN, PROBE_EVERY, PROBE_GAIN, AdaptiveLength, AutoDrafter, Draft,
-                               LookupDrafter, ModelDrafter)
+from ggufspec.drafters import (LONG_MATCH, MIN_GAIN, PHRASE_MATCH, PROBE_EVERY, PROBE_GAIN, AdaptiveLength,
+                               AutoDrafter, Draft, LookupDrafter, ModelDrafter)
 from ggufspec.sampling import SamplingParams, probabilities, softmax
 
 from conftest import open_decoder
@@ -31,13 +31,16 @@ def test_lookup_continues_the_latest_longest_match() -> None:
 
 
 def test_lookup_prefers_the_copy_to_a_later_chance_match() -> None:
-    """A phrase repeated since (a chance match, latest) does not hide the passage the tail copies."""
+    """A phrase repeated since (a chance match, latest) does not hide the passage the tail copies: the longest
+    match wins, the latest among equals."""
     d = LookupDrafter(n_vocab=100)
     s = list(range(10, 40))
     text = s + [91, 92, 93] + s[20:24] + [95] + s[:24]  # the tail copies s; its last 4 tokens also stand after 93
     assert d.find(text, 5) == s[24:29] and d.match == LONG_MATCH
-    shorter = text[: -24] + s[17:24]  # only 7 tokens copied: no copy behind either match, so the latest, as before
-    assert d.find(shorter, 3) == [95] + s[17:19] and d.match == 4
+    shorter = text[: -24] + s[17:24]  # 7 tokens copied from s, 4 of them also after 93
+    assert d.find(shorter, 3) == s[24:27] and d.match == 7
+    later = shorter + [96] + s[20:24]  # two 4-token matches of the tail (the 7-token one ended at 96): the latest
+    assert d.find(later, 3) == [96] + s[20:22] and d.match == 4
 
 
 def test_cost_model_prefers_long_drafts_only_when_they_pay() -> None:
@@ -237,7 +240,7 @@ def test_auto_uses_lookup_where_the_draft_model_cannot_pay(tiny_target, tiny_dra
         costs = CostModel(list(AVX2.verify), AVX2.draft)
         auto = AutoDrafter(LookupDrafter(d.n_vocab), ModelDrafter(d, d.n_vocab), costs, 3)
         auto.lookup_length.acceptance = [0.95] * 3  # lookup has been right: verifying its guesses pays
-        repeat = [5, 6, 7, 8, 9] * 4
+        repeat = [1, 2, 8, 9, 5, 6, 7, 3, 4, 8, 9]  # "8 9" said again: a chance match, priced on its record
         assert auto.propose(repeat, 3, greedy, rng).tokens == [5, 6, 7] and auto.source is auto.lookup_length
         auto.observe(3, 0)
         # no earlier match: the draft model, which cannot pay here, is not run; a plain step
@@ -259,7 +262,7 @@ XEON = CostModel(verify=[0.0890, 0.1373, 0.1796, 0.1373], draft=0.0122)
 def test_lookup_gives_way_to_a_better_draft_model(tiny_draft) -> None:
     """While the draft model drafts, a lookup guess must beat it after paying for the draft's catch-up."""
     greedy, rng = SamplingParams(), np.random.default_rng(0)
-    repeat = [5, 6, 7, 8, 9] * 4
+    repeat = [1, 2, 8, 9, 5, 6, 7, 3, 4, 8, 9]  # "8 9" said again: a chance match, priced on its record
     with open_decoder(tiny_draft) as d:
         # acceptance by position measured there on HumanEval: lookup 62/74/79%, the draft model 76/82/85%
         model_kept, lookup_kept = [0.76, 0.82, 0.85], [0.62, 0.74, 0.79]
@@ -352,13 +355,13 @@ def test_costs_learned_at_a_long_context_do_not_price_a_short_one() -> None:
     verified = []
     for _ in range(15):
         # at the XEON costs, 0.6 pays; at those after 700 tokens, not (this text is a copy of itself: both estimates)
-        auto.lookup_length.acceptance = auto.copy_length.acceptance = [0.6] * 3
+        auto.lookup_length.acceptance = auto.phrase_length.acceptance = auto.copy_length.acceptance = [0.6] * 3
         tokens = auto.propose([5, 6, 7, 8, 9] * 140, 3, greedy, rng).tokens
         target.decode_seconds += costs_at_700[len(tokens)]
         auto.observe(len(tokens), min(1, len(tokens)))
         verified.append(len(tokens))
     assert verified[0] == 3 and verified[-5:] == [0] * 5
-    auto.lookup_length.acceptance = auto.copy_length.acceptance = [0.6] * 3
+    auto.lookup_length.acceptance = auto.phrase_length.acceptance = auto.copy_length.acceptance = [0.6] * 3
     assert auto.propose([5, 6, 7, 8, 9] * 20, 3, greedy, rng).tokens == [5, 6, 7]
     assert auto.costs.verify == XEON.verify  # the start-up measurement prices short contexts still
 
@@ -380,6 +383,30 @@ def test_copies_are_priced_by_their_own_record() -> None:
     for _ in range(11):  # copies whose guesses are not kept turn it off too (before its first probe)
         auto.observe(len(auto.propose(copy, 3, greedy, rng).tokens), 0)
     assert auto.propose(copy, 3, greedy, rng).tokens == []
+
+
+def test_unverified_guesses_teach_their_record() -> None:
+    """Guesses after a match of PHRASE_MATCH to LONG_MATCH tokens (a phrase said again, a copy's first tokens) keep
+    their own record, which learns from guesses left unverified too, judged by the tokens the target commits: an
+    answer that starts copying is verified after a few plain steps (not 16), a phrase that does not go on stays off."""
+    greedy, rng = SamplingParams(), np.random.default_rng(0)
+    auto = AutoDrafter(LookupDrafter(1000), None, CostModel(list(ZEN4.verify), ZEN4.draft), 3)
+    text = list(range(100, 140))
+    assert auto.propose(text + [7] + text[:3], 3, greedy, rng).tokens == [] and auto.source is auto.lookup_length
+    answer = text + [7] + text[:PHRASE_MATCH]
+    plain = 0
+    while not (tokens := auto.propose(answer, 3, greedy, rng).tokens):  # the target copies text, token by token
+        assert auto.source is auto.phrase_length and plain < 10
+        auto.observe(0, 0)
+        answer, plain = answer + [text[len(answer) - 41]], plain + 1
+    assert plain == 3 and tokens == text[len(answer) - 41 :][:3]  # the first guess, judged once its 3 tokens came
+    auto.restart()
+    for n in range(12):  # the phrase is said again, then the answer goes elsewhere, time after time
+        elsewhere = text + [7] + text[:PHRASE_MATCH] + [900 + n] * 3
+        for i in range(len(text) + 1 + PHRASE_MATCH, len(elsewhere) + 1):
+            auto.observe(len(auto.propose(elsewhere[:i], 3, greedy, rng).tokens), 0)
+    assert auto.phrase_length.acceptance[0] < 0.5  # learned from guesses it never verified
+    assert auto.propose(text + [7] + text[:PHRASE_MATCH], 3, greedy, rng).tokens == []
 
 
 def test_each_context_size_learns_its_own_costs() -> None:
