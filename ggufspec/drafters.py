@@ -395,8 +395,8 @@ class AutoDrafter:
     def _judge_unverified(self, context: list[int]) -> None:
         """A guess left unverified still teaches its record, once the target has committed the tokens it guessed
         (up to the first miss): the target's own pick, a draw when sampling, equals a guessed token exactly as often
-        as verifying would keep it. So a record that is off learns without probes whether it would pay: copies are
-        entered on their first tokens, and phrases said again where the answer does not copy stay unverified."""
+        as verifying would keep it. So a record that is off learns without probes whether it would pay: a copy is
+        entered a few tokens in, and phrases said again where the answer does not copy stay unverified."""
         pending = []
         for record, at, tokens in self._unverified:
             seen = context[at : at + len(tokens)]
