@@ -331,6 +331,8 @@ class AutoDrafter:
         self.target, self.draft = target, draft
         self.source: AdaptiveLength | None = None  # whose proposal the target is judging
         self._unverified: list[tuple[AdaptiveLength, int, list[int]]] = []  # lookup guesses not verified: see propose
+        self._records = tuple(r for r in (self.lookup_length, self.phrase_length, self.copy_length, self.model_length)
+                              if r is not None)
 
     @property
     def k_cap(self) -> int:
@@ -352,11 +354,6 @@ class AutoDrafter:
             length.restart()
         self._unverified.clear()
         return self
-
-    @property
-    def _records(self) -> list[AdaptiveLength]:
-        lookup = [self.lookup_length, self.phrase_length, self.copy_length]
-        return lookup if self.model_length is None else [*lookup, self.model_length]
 
     def prefill(self, context: list[int]) -> None:
         """The draft model decodes the prompt only where it is expected to draft (often never on CPUs)."""
@@ -438,6 +435,6 @@ class AutoDrafter:
 
     def lookup_rate(self, n: int) -> float:
         """Expected tokens per second of verifying the n-token lookup guess just proposed, on the record of its
-        kind (a copy's or a chance match's), at the current context's costs."""
+        kind (a chance match's, a phrase's or a copy's), at the current context's costs."""
         return self.source.costs.expected_rate(n, self.source.acceptance, free=True)
 
