@@ -156,7 +156,28 @@ def test_idle_heads_probe_at_a_bounded_cost() -> None:
     tree = sizer.tree
     fresh = TreeSizer(tree, CostModel([0.1, 0.2], 0.0))
     fresh.observe(np.arange(tree.size), [7], 0.01, 1, 0.1 + 0.09)
-    assert fresh.heads_seconds == pytest.approx(0.002) and fresh.probe_seconds == pytest.approx(0.02)
+    assert fresh.heads_seconds == pytest.approx(0.01) and fresh.probe_seconds == pytest.approx(0.1)
+    fresh.observe(np.arange(tree.size), [7], 0.03, 1, 0.1)  # then the mean of the samples (not 0.2 of them)
+    assert fresh.heads_seconds == pytest.approx(0.02) and fresh.probe_seconds == pytest.approx(0.065)
+
+
+def test_one_slow_tree_batch_does_not_price_trees_out() -> None:
+    """A tree batch at 10x its expected time (a warm-up, a busy spell) moves the sizer's price of trees a bounded
+    step, so a tree that pays is verified again (a tree priced out is never timed again); trees that keep
+    costing more than expected are dropped."""
+    tree = build_tree(TREES["mc_sim_15"])
+    sizer = TreeSizer(tree, CostModel([0.1, 0.11, 0.12, 0.13, 0.14], 0.0))
+    tokens = np.arange(100, 100 + tree.size)
+    kept = [int(tokens[tree.choices.index((0,)) + 1]), 7]  # the head's best guess was right
+
+    def tree_step(slower: float) -> int:
+        n = len(sizer.plan(max_depth=5))
+        sizer.observe(tokens, kept, 0.0, n, slower * sizer.costs.batch_seconds(n))
+        return n
+
+    assert tree_step(10.0) > 1
+    assert len(sizer.plan(max_depth=5)) > 1
+    assert 1 in [tree_step(3.0) for _ in range(10)]
 
 
 def test_tree_sizer_verifies_what_pays_parents_first() -> None:

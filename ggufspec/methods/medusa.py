@@ -66,6 +66,8 @@ class TreeSizer:
 
     PROBE_EVERY = 8
     PROBE_SHARE = 0.01
+    TIMING_MEMORY = 0.8  # running averages of the heads' and a probe's time, past their first five samples
+    TREE_STEP_MOST = 2.0  # one tree batch moves tree_factor as if it cost at most this many times the expected
 
     def __init__(self, tree: Tree, costs: CostModel, memory: float = 0.9) -> None:
         self.tree, self.costs, self.memory = tree, costs, memory
@@ -74,6 +76,7 @@ class TreeSizer:
         self.kept = np.array([1.0] + [float(np.prod([0.5 if r == 0 else 0.05 / r for r in c])) for c in tree.choices])
         self.heads_seconds = 0.0
         self.probe_seconds = 0.0  # a probe's cost: the heads, and what they slow the next decode by
+        self._heads_runs = self._probes = 0
         # tree batches (one sequence per leaf, hidden states out) against the chain batches the cost model timed:
         # learned from each tree step alone, since scaling every size (as auto does) would price plain steps too
         self.tree_factor = 1.0
@@ -130,13 +133,23 @@ class TreeSizer:
             matched = (t.depth == 0) | (tokens == known[np.maximum(t.depth - 1, 0)])
             hit = ~(t.ancestors & ~matched).any(axis=1)  # every node on its path matched
             self.kept = self.memory * self.kept + (1 - self.memory) * hit
-            self.heads_seconds += 0.2 * (heads_seconds - self.heads_seconds)
+            self._heads_runs += 1
+            self.heads_seconds = self._average(self.heads_seconds, heads_seconds, self._heads_runs)
             if n_verified == 1:  # numpy's BLAS threads can slow the decode after the heads (~0.1 s seen here);
                 # in a tree step that shows in the tree's batch time, and so in tree_factor
                 slower = max(0.0, verify_seconds - self.costs.batch_seconds(1))
-                self.probe_seconds += 0.2 * (heads_seconds + slower - self.probe_seconds)
+                self._probes += 1
+                self.probe_seconds = self._average(self.probe_seconds, heads_seconds + slower, self._probes)
         if verify_seconds > 0 and n_verified > 1:
-            self.tree_factor *= (verify_seconds / (self.tree_factor * self.costs.batch_seconds(n_verified))) ** 0.3
+            # bounded: a tree priced out is not verified again, so one slow batch (a warm-up, a busy spell)
+            # must not price trees out for good
+            ratio = verify_seconds / (self.tree_factor * self.costs.batch_seconds(n_verified))
+            self.tree_factor *= min(max(ratio, 1 / self.TREE_STEP_MOST), self.TREE_STEP_MOST) ** 0.3
+
+    def _average(self, mean: float, sample: float, n: int) -> float:
+        """The mean of the first samples, then a running average: one that starts from zero would underrate the
+        heads' time for a dozen steps, in which trees that do not pay run and probes come too often."""
+        return mean + max(1 - self.TIMING_MEMORY, 1 / n) * (sample - mean)
 
 
 def medusa(
