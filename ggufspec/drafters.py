@@ -331,6 +331,7 @@ class AutoDrafter:
         self.target, self.draft = target, draft
         self.source: AdaptiveLength | None = None  # whose proposal the target is judging
         self._unverified: list[tuple[AdaptiveLength, int, list[int]]] = []  # lookup guesses not verified: see propose
+        self._proposed: tuple[AdaptiveLength, int, list[int]] | None = None  # the lookup guess just proposed
         self._records = tuple(r for r in (self.lookup_length, self.phrase_length, self.copy_length, self.model_length)
                               if r is not None)
 
@@ -367,7 +368,7 @@ class AutoDrafter:
         return self.model_length is not None and self.model_length.planned() > 0
 
     def propose(self, context, k, params, rng):
-        self.source = None
+        self.source = self._proposed = None
         if k <= 0:
             return Draft([])
         self.price_at(len(context))
@@ -377,10 +378,12 @@ class AutoDrafter:
         self.source = (self.copy_length if match >= LONG_MATCH else
                        self.phrase_length if match >= PHRASE_MATCH else self.lookup_length)
         n = min(self.source.choose(), len(guess))
+        judged_later = self.source, len(context), guess[: self.k_max]
         if n and not self._model_beats_lookup(n, self.source):
+            self._proposed = judged_later
             return self.lookup.draft(guess[:n], params)
         if guess:
-            self._unverified.append((self.source, len(context), guess[: self.k_max]))
+            self._unverified.append(judged_later)
         if self.model_length is not None and self._catch_up_pays(context):
             self.source = self.model_length
             # deferred tokens (see commit_tree_path) ride in the batch: it stays within the measured sizes
@@ -430,8 +433,11 @@ class AutoDrafter:
             self.source.update(drafted, kept)
 
     def withdraw(self) -> None:
-        """The last proposal was not verified (Medusa's tree ran instead): the next observe learns nothing."""
-        self.source = None
+        """The last proposal was not verified (Medusa's tree ran instead): the next observe learns nothing, and a
+        lookup guess is judged as one left unverified."""
+        if self._proposed is not None:
+            self._unverified.append(self._proposed)
+        self.source = self._proposed = None
 
     def lookup_rate(self, n: int) -> float:
         """Expected tokens per second of verifying the n-token lookup guess just proposed, on the record of its

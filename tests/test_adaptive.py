@@ -409,6 +409,21 @@ def test_unverified_guesses_teach_their_record() -> None:
     assert auto.propose(text + [7] + text[:PHRASE_MATCH], 3, greedy, rng).tokens == []
 
 
+def test_a_guess_that_loses_to_a_tree_is_judged_as_one_left_unverified() -> None:
+    """Medusa's `auto` withdraws a lookup guess when the sized tree is expected to commit more: the guess still
+    teaches its record once the target has committed the tokens it named."""
+    greedy, rng = SamplingParams(), np.random.default_rng(0)
+    auto = AutoDrafter(LookupDrafter(1000), None, CostModel(list(ZEN4.verify), ZEN4.draft), 3)
+    text = list(range(100, 140))
+    copying = text + [7] + text[:LONG_MATCH]
+    assert auto.propose(copying, 3, greedy, rng).tokens and auto.source is auto.copy_length
+    before = list(auto.copy_length.acceptance)
+    auto.withdraw()
+    auto.observe(0, 0)  # the tree's step
+    auto.propose(copying + [999], 3, greedy, rng)  # the target left the copy: the guess would have been rejected
+    assert auto.copy_length.acceptance[0] < before[0]
+
+
 def test_each_context_size_learns_its_own_costs() -> None:
     sizes = ContextCosts(CostModel([0.1, 0.15], 0.01))
     assert sizes.at(1) is sizes.at(256) is sizes.base
