@@ -439,8 +439,9 @@ class AutoDrafter:
             self._unverified.append(self._proposed)
         self.source = self._proposed = None
 
-    def lookup_rate(self, n: int) -> float:
+    def lookup_gain(self, n: int) -> float:
         """Expected tokens per second of verifying the n-token lookup guess just proposed, on the record of its
-        kind (a chance match's, a phrase's or a copy's), at the current context's costs."""
-        return self.source.costs.expected_rate(n, self.source.acceptance, free=True)
+        kind (a chance match's, a phrase's or a copy's), over a plain step's, both at the current context's costs."""
+        costs = self.source.costs
+        return costs.expected_rate(n, self.source.acceptance, free=True) / costs.expected_rate(0, 0)
 

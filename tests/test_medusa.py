@@ -258,6 +258,32 @@ def test_auto_with_heads_verifies_lookup_guesses_and_sized_trees(smollm2_path, d
     assert got.stats.accepted > 0 and got.stats.target_passes < len(got.tokens)
 
 
+def test_auto_with_heads_verifies_every_guess_lookup_chose_unless_a_tree_runs(smollm2_path, demo_heads,
+                                                                             monkeypatch) -> None:
+    """Against a plain step, lookup's own choice stands, its probes too (they expect less than a plain step, and were
+    dropped unverified and unjudged when weighed against the plain step's rate); only a tree that pays more takes
+    a guess's place."""
+    chosen, probes, verified, withdrawn = [0], [0], [0], [0]
+    propose, verify, withdraw = AutoDrafter.propose, medusa_module.verify_chain, AutoDrafter.withdraw
+
+    def proposed(self, *a):
+        guess = propose(self, *a)
+        chosen[0] += bool(guess.tokens)
+        probes[0] += bool(guess.tokens) and self.source._probing
+        return guess
+
+    monkeypatch.setattr(AutoDrafter, "propose", proposed)
+    monkeypatch.setattr(AutoDrafter, "withdraw", lambda self: withdrawn.__setitem__(0, withdrawn[0] + 1) or withdraw(self))
+    monkeypatch.setattr(medusa_module, "verify_chain", lambda *a: verified.__setitem__(0, verified[0] + 1) or verify(*a))
+    # batches where trees of these heads seldom pay and a lookup guess kept 90% of the time would: chance n-gram
+    # guesses fail, their record turns lookup off for them, and it probes
+    costs = FixedCosts([0.02, 0.035, 0.045, 0.055, 0.065], 0.0, [16, 32, 64], [0.1, 0.2, 0.4])
+    with _engine(smollm2_path, demo_heads, costs) as engine:
+        for prompt in PROMPTS[:4]:
+            engine.generate(prompt, GenerationSettings(max_tokens=64))
+    assert probes[0] >= 1 and verified[0] + withdrawn[0] == chosen[0], (probes, chosen, verified, withdrawn)
+
+
 def test_sampled_auto_with_heads_follows_the_target(tiny_target, random_heads, monkeypatch) -> None:
     """`auto` with heads when sampling: the first two tokens (each from a lookup guess, a tree or a plain pass) follow
     the target's tempered top-k distribution. Lookup's guesses are most of the steps judged here; the sizer soon

@@ -91,9 +91,9 @@ class TreeSizer:
         return self._plan[1]
 
     @property
-    def rate(self) -> float:
-        """Expected tokens per second of the last plan (a plain step's when none)."""
-        return self._plan[2] if self._plan is not None else 1.0 / self.costs.batch_seconds(1)
+    def gain(self) -> float:
+        """Expected tokens per second of the last plan over a plain step's (1.0 when none)."""
+        return self._plan[2] * self.costs.batch_seconds(1) if self._plan is not None else 1.0
 
     def _best(self, max_depth: int) -> tuple[np.ndarray, float]:
         plain = np.zeros(1, dtype=np.int64), 1.0 / self.costs.batch_seconds(1)
@@ -182,8 +182,9 @@ def medusa(
         if lookup is not None:
             k = max(0, min(k_max - target.n_deferred, limit - 1))  # deferred tokens ride in front: see speculative
             guess = lookup.propose(target.history + [last], k, params, rng)
-            rival = sizer.rate if h is not None else 0.0
-            if guess.tokens and lookup.lookup_rate(len(guess.tokens)) > rival:
+            # against a plain step lookup's own choice stands (a probe's too); against a tree, gains over a plain
+            # step: lookup prices the current context, the sizer the start-up measurement
+            if guess.tokens and (len(nodes) == 1 or lookup.lookup_gain(len(guess.tokens)) > sizer.gain):
                 new = verify_chain(target, last, guess, params, rng)
                 h, last = target.hidden_states()[len(new) - 1], new[-1]
                 lookup.observe(len(guess.tokens), len(new) - 1)
