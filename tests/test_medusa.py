@@ -161,6 +161,29 @@ def test_idle_heads_probe_at_a_bounded_cost() -> None:
     assert fresh.heads_seconds == pytest.approx(0.02) and fresh.probe_seconds == pytest.approx(0.065)
 
 
+def test_heads_stop_being_probed_where_no_tree_could_pay() -> None:
+    """Where a chain of heads that are always right would cost more a token than a plain step (this Zen 4's Q4_0
+    batches of the bench pair; heads over the whole vocabulary at two decodes), the heads stop running once two
+    probes have timed them; heads over fewer candidates go on being probed."""
+    zen4 = CostModel([0.0322, 0.0587, 0.0854, 0.0877, 0.116], 0.0)
+    tree = build_tree(TREES["mc_sim_15"])
+
+    def probes(heads_seconds: float) -> int:
+        sizer, runs = TreeSizer(tree, zen4), 0
+        for _ in range(2000):
+            nodes = sizer.plan(max_depth=5)
+            assert len(nodes) == 1
+            if sizer.wants_heads(len(nodes)):
+                runs += 1
+                sizer.observe(np.arange(tree.size), [-1], heads_seconds, 1, zen4.batch_seconds(1))
+        return runs
+
+    assert probes(0.066) == 2
+    assert probes(0.012) > 20
+    linear = TreeSizer(tree, CostModel([0.1, 0.2, 0.3, 0.4, 0.5], 0.0))
+    assert not any(linear.wants_heads(1) for _ in range(100))  # n tokens for n decodes: not even free heads pay
+
+
 def test_one_slow_tree_batch_does_not_price_trees_out() -> None:
     """A tree batch at 10x its expected time (a warm-up, a busy spell) moves the sizer's price of trees a bounded
     step, so a tree that pays is verified again (a tree priced out is never timed again); trees that keep

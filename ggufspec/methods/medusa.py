@@ -61,7 +61,8 @@ class TreeSizer:
     after every step for every node of the whole tree, verified or not (the heads proposed them all). Sorted by
     that chance the nodes stay prefix-closed (a node matches only where its parent does). The batch costs are the
     measured ones times what tree batches really cost against them; the heads' own time counts too. While no tree
-    pays the heads run only now and then (`wants_heads`), to keep learning.
+    pays the heads run only now and then (`wants_heads`), to keep learning; never where no tree could pay even if
+    every head were always right.
     """
 
     PROBE_EVERY = 8
@@ -77,6 +78,7 @@ class TreeSizer:
         self.heads_seconds = 0.0
         self.probe_seconds = 0.0  # a probe's cost: the heads, and what they slow the next decode by
         self._heads_runs = self._probes = 0
+        self._heads_fastest = float("inf")
         # tree batches (one sequence per leaf, hidden states out) against the chain batches the cost model timed:
         # learned from each tree step alone, since scaling every size (as auto does) would price plain steps too
         self.tree_factor = 1.0
@@ -111,7 +113,8 @@ class TreeSizer:
 
     def wants_heads(self, n_nodes: int) -> bool:
         """Whether to run the heads this step: always with a tree; else every PROBE_EVERY plain steps, or seldom
-        enough that probing costs at most PROBE_SHARE of a plain decode's time (heads over a large vocabulary)."""
+        enough that probing costs at most PROBE_SHARE of a plain decode's time (heads over a large vocabulary),
+        while a tree could pay."""
         if n_nodes > 1:
             self._idle = 0
             return True
@@ -120,7 +123,15 @@ class TreeSizer:
         if self._idle < every:
             return False
         self._idle = 0
-        return True
+        return self._could_pay()
+
+    def _could_pay(self) -> bool:
+        """Whether a tree would pay if every head were always right: a chain of d nodes then commits d + 1 tokens,
+        for its batch and the heads' fastest run (after two: the first may start numpy's threads; before, free)."""
+        depth = np.arange(1, self.tree.n_heads + 1)
+        heads = self._heads_fastest if self._heads_runs >= 2 else 0.0
+        seconds = self.tree_factor * np.array([self.costs.batch_seconds(d + 1) for d in depth]) + heads
+        return bool(((depth + 1) / seconds >= MIN_GAIN / self.costs.batch_seconds(1)).any())
 
     def observe(self, tokens: np.ndarray, new: list[int], heads_seconds: float, n_verified: int,
                 verify_seconds: float) -> None:
@@ -134,6 +145,7 @@ class TreeSizer:
             hit = ~(t.ancestors & ~matched).any(axis=1)  # every node on its path matched
             self.kept = self.memory * self.kept + (1 - self.memory) * hit
             self._heads_runs += 1
+            self._heads_fastest = min(self._heads_fastest, heads_seconds)
             self.heads_seconds = self._average(self.heads_seconds, heads_seconds, self._heads_runs)
             if n_verified == 1:  # numpy's BLAS threads can slow the decode after the heads (~0.1 s seen here);
                 # in a tree step that shows in the tree's batch time, and so in tree_factor
