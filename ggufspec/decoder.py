@@ -47,7 +47,9 @@ class Decoder(Protocol):
         """Keep the first n history tokens and drop the KV entries of the rest."""
 
     def hidden_states(self) -> np.ndarray:
-        """Final-norm hidden states (n, H) of the rows the last feed returned logits for."""
+        """Final-norm hidden states (n, H) of the rows the last feed returned logits for (none after a prefill of
+        several tokens for the last logits only: computing them all costs that prefill the whole vocabulary's
+        logits for every token)."""
 
     def tree_logits(self, tokens: Sequence[int], parents: Sequence[int]) -> np.ndarray:
         """Logits (n, V) of tree nodes after the history in one pass; parents[i] < i, -1 for the roots."""
@@ -208,7 +210,8 @@ class LlamaCppDecoder:
         self.decode_seconds = 0.0
         self.n_decodes = 0
         self.n_decoded_tokens = 0
-        self._n_out = 0
+        self._n_out = 0  # rows of hidden states the last decode computed
+        self._hidden_on = opts.embeddings
         self._skip = 0  # leading rows of the last decode that were deferred tokens, not asked for
         self._deferred: list[int] = []
         self._unrecorded = False  # a decode's cells may be in the KV cache without being in the history
@@ -269,18 +272,24 @@ class LlamaCppDecoder:
     def _decode(self, tokens: Sequence[int], all_logits: bool) -> None:
         self._require_ctx()
         self._batch.fill(tokens, len(self.history), all_logits)
-        rc = self._run_batch(len(tokens))
+        hidden = all_logits or len(tokens) == 1
+        rc = self._run_batch(len(tokens), hidden)
         if rc != 0:
             # llama.cpp leaves no partial batch in the KV on failure; the history stays as it was.
             raise GGUFSpecError(f"llama_decode failed with code {rc} at position {len(self.history)}")
         self.history.extend(int(t) for t in tokens)
         self._unrecorded = False
-        self._n_out = len(tokens) if all_logits else 1
+        self._n_out = (len(tokens) if all_logits else 1) if hidden else 0
         self._skip = 0
 
-    def _run_batch(self, n_tokens: int) -> int:
+    def _run_batch(self, n_tokens: int, hidden: bool = True) -> int:
         """llama_decode of the filled batch, timed and counted; its return code. Until the caller records the
-        tokens, the cache may hold cells the history does not (see rollback_to)."""
+        tokens, the cache may hold cells the history does not (see rollback_to). hidden=False: no hidden states
+        (llama.cpp outputs logits and states of every token of a batch while embeddings are on: a prefill
+        would compute and copy the whole vocabulary's logits for every prompt token)."""
+        if self._hidden_on != (hidden and self.options.embeddings):
+            self._hidden_on = not self._hidden_on
+            llama_cpp.llama_set_embeddings(self._ctx, self._hidden_on)
         t0 = time.perf_counter()
         self._unrecorded = True
         rc = llama_cpp.llama_decode(self._ctx, self._batch.struct)
@@ -357,6 +366,8 @@ class LlamaCppDecoder:
     def hidden_states(self) -> np.ndarray:
         if not self.options.embeddings:
             raise GGUFSpecError("hidden states need a decoder created with embeddings=True")
+        if not self._n_out:
+            raise GGUFSpecError("the last decode computed no hidden states (a prefill for the last token's logits)")
         ptr = llama_cpp.llama_get_embeddings(self._require_ctx())
         return np.ctypeslib.as_array(ptr, shape=(self._n_out, self.n_embd))[self._skip :].copy()
 

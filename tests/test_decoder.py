@@ -185,6 +185,23 @@ def test_hidden_states_come_from_the_same_decode(tiny_target, tiny_weights) -> N
             plain.hidden_states()
 
 
+def test_a_prefill_with_hidden_states_on_gives_the_last_tokens_logits(tiny_target, tiny_weights) -> None:
+    """llama.cpp outputs every token of a batch while embeddings are on: a prefill asking for the last logits got
+    the first token's row (and paid for all of them). It now decodes without hidden states, which it has none of."""
+    with open_decoder(tiny_target) as plain:
+        tokens = plain.vocab.tokenize(PROMPT)
+        want = plain.sync(tokens)
+        want_next = plain.feed([5])
+    with open_decoder(tiny_target, embeddings=True, n_seq_max=4) as d:
+        got = d.sync(tokens)
+        np.testing.assert_allclose(got, want, atol=ATOL_F32, rtol=0)
+        with pytest.raises(GGUFSpecError, match="no hidden states"):
+            d.hidden_states()
+        nxt = d.feed([5])  # a single token: its hidden state, from the same decode
+        np.testing.assert_allclose(nxt, want_next, atol=ATOL_F32, rtol=0)
+        np.testing.assert_allclose(d.hidden_states() @ tiny_weights["output.weight"].T, nxt, atol=1e-3, rtol=1e-4)
+
+
 def test_decode_sequences_equals_each_sequence_alone(tiny_target) -> None:
     """Independent sequences in one batch (Medusa training's collection): each token's logits and hidden
     state as in a context of its own; the cache's positions per sequence; clearing one; the history apart."""
