@@ -279,7 +279,7 @@ class LlamaCppDecoder:
             raise GGUFSpecError(f"llama_decode failed with code {rc} at position {len(self.history)}")
         self.history.extend(int(t) for t in tokens)
         self._unrecorded = False
-        self._n_out = (len(tokens) if all_logits else 1) if hidden else 0
+        self._n_out = len(tokens) if hidden else 0  # hidden: every token's row, or the one token's
         self._skip = 0
 
     def _run_batch(self, n_tokens: int, hidden: bool = True) -> int:
