@@ -224,4 +224,4 @@ def _identity(d: LlamaCppDecoder) -> list[object]:
     st = d.path.stat()
     o = d.options
     return [str(d.path), st.st_size, int(st.st_mtime), o.n_threads, o.n_threads_batch, o.n_gpu_layers, o.flash_attn,
-            d.kv_type, sorted(d.weight_buffers)]  # where the weights went: repacked or not costs batches differently
+            d.kv_cache, sorted(d.weight_buffers)]  # where the weights went: repacked or not costs batches differently

@@ -81,7 +81,8 @@ class DecoderOptions:
     use_mlock: bool = False
     repack: bool = True  # llama.cpp's extra CPU weight layouts (its --no-repack turns them off)
     flash_attn: bool | None = None
-    kv_type: str | None = None  # None: see `cache_type`
+    kv_type: str | None = None  # K and V; None: see `cache_type`
+    kv_type_v: str | None = None  # V alone; None: see `cache_type_v`
     embeddings: bool = False
     n_seq_max: int = 1
     verbose: bool = False
@@ -96,10 +97,12 @@ class DecoderOptions:
             raise ValueError(f"n_ubatch must be between 1 and n_batch ({self.n_batch}), got {self.n_ubatch}")
         if self.n_seq_max < 1:
             raise ValueError(f"n_seq_max must be >= 1, got {self.n_seq_max}")
-        if self.kv_type is not None and self.kv_type not in KV_TYPES:
-            raise ValueError(f"kv_type must be one of {', '.join(KV_TYPES)}, got {self.kv_type!r}")
-        if self.kv_type not in (None, *UNQUANTIZED_KV) and self.flash_attn is False:
-            raise ValueError(f"a {self.kv_type} KV cache needs flash attention (llama.cpp quantizes V only there)")
+        for name in ("kv_type", "kv_type_v"):
+            value = getattr(self, name)
+            if value is not None and value not in KV_TYPES:
+                raise ValueError(f"{name} must be one of {', '.join(KV_TYPES)}, got {value!r}")
+            if value not in (None, *UNQUANTIZED_KV) and self.flash_attn is False:
+                raise ValueError(f"a {value} KV cache needs flash attention (llama.cpp quantizes V only there)")
 
     @property
     def micro_batch(self) -> int:
@@ -111,12 +114,32 @@ class DecoderOptions:
 
     @property
     def cache_type(self) -> str:
-        """kv_type, or by default q8_0 on CPU with flash attention: there llama.cpp decodes a batch and single
-        tokens with the same attention kernel, bit for bit at any context length (its f16 cache switches
-        single tokens to a split kernel past 256 cached tokens), and faster at long contexts; else f16."""
+        """K cache type: kv_type, or by default q8_0 on CPU with flash attention: there llama.cpp decodes a batch and
+        single tokens with the same attention kernel, bit for bit at any context length (its f16 cache switches
+        single tokens to a split kernel past 256 cached tokens); else f16."""
         if self.kv_type is not None:
             return self.kv_type
-        return "q8_0" if self.n_gpu_layers == 0 and self.flash_attn is not False else "f16"
+        return "q8_0" if self._cpu_default else "f16"
+
+    @property
+    def cache_type_v(self) -> str:
+        """V cache type: kv_type_v, else kv_type, else by default on CPU with flash attention q8_0 or f16, whichever
+        this machine attends faster with (kv_cache.default_v_type: both keep batches bit for bit); else f16."""
+        if self.kv_type_v is not None or self.kv_type is not None:
+            return self.kv_type_v or self.kv_type
+        if self._cpu_default:
+            from .kv_cache import default_v_type
+            return default_v_type()
+        return "f16"
+
+    @property
+    def _cpu_default(self) -> bool:
+        return self.n_gpu_layers == 0 and self.flash_attn is not False
+
+
+def kv_label(k: str, v: str) -> str:
+    """A K/V cache pair as users read it: "q8_0", or "q8_0/f16" where the two differ."""
+    return k if k == v else f"{k}/{v}"
 
 
 _LOAD_MODES = {
@@ -141,7 +164,7 @@ class LlamaCppDecoder:
         self.path = Path(path).expanduser().resolve()
         self.header = read_header(self.path)
         if opts.memory_check and opts.n_gpu_layers == 0:
-            check_memory([(self.path, self.header)], opts.n_ctx, opts.cache_type)
+            check_memory([(self.path, self.header)], opts.n_ctx, opts.cache_type, opts.cache_type_v)
         llama_log.install(opts.verbose)
         self.cpu_backend = cpu_backend.prepare()
         mparams = llama_cpp.llama_model_default_params()
@@ -179,19 +202,21 @@ class LlamaCppDecoder:
                     llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if opts.flash_attn else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
                 )
             cparams.no_perf = True
-            self.kv_type = opts.cache_type
-            cparams.type_k = cparams.type_v = int(GGMLQuantizationType[self.kv_type.upper()])
+            self.kv_type, self.kv_type_v = opts.cache_type, opts.cache_type_v
+            cparams.type_k = int(GGMLQuantizationType[self.kv_type.upper()])
+            cparams.type_v = int(GGMLQuantizationType[self.kv_type_v.upper()])
             self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
-            if not self._ctx and opts.kv_type is None and self.kv_type != "f16":
+            if not self._ctx and opts.kv_type is None and opts.kv_type_v is None and self.kv_cache != "f16":
                 # the default q8_0 needs flash attention, which llama.cpp's "auto" may have turned down, and
                 # head sizes that are multiples of its 32-value blocks
-                self.kv_type = "f16"
+                self.kv_type = self.kv_type_v = "f16"
                 cparams.type_k = cparams.type_v = int(GGMLQuantizationType.F16)
                 self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
             if not self._ctx:
-                why = ("not enough memory? try a smaller --n-ctx" if self.kv_type in UNQUANTIZED_KV else
-                       f"a {self.kv_type} KV cache needs flash attention and head sizes its blocks divide: "
-                       "try --kv-type f16; or not enough memory")
+                quantized = {self.kv_type, self.kv_type_v} - set(UNQUANTIZED_KV)
+                why = (f"a {self.kv_cache} KV cache needs flash attention and head sizes its blocks divide: "
+                       "try --kv-type f16; or not enough memory" if quantized else
+                       "not enough memory? try a smaller --n-ctx")
                 raise GGUFSpecError(
                     f"{self.path}: llama.cpp could not create a context with n_ctx={opts.n_ctx} "
                     f"({why}; --verbose shows llama.cpp's reason)."
@@ -518,6 +543,11 @@ class LlamaCppDecoder:
     def _mem_checked(self):
         self._require_ctx()
         return self._mem
+
+    @property
+    def kv_cache(self) -> str:
+        """The K/V cache types of this context, as kv_label spells them."""
+        return kv_label(self.kv_type, self.kv_type_v)
 
     def close(self) -> None:
         """Free the context, the batch and the model; further use raises GGUFSpecError."""

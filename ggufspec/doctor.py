@@ -58,7 +58,7 @@ def model_lines(role: str, path: str | Path, options: DecoderOptions) -> list[st
             f"{role}: {d.path} ({d.path.stat().st_size / 1e6:.1f} MB; tensor types "
             f"{', '.join(GGMLQuantizationType(t).name for t in types)})",
             f"  weights: {buffers}",
-            f"  KV cache: {d.kv_type}, {d.n_ctx} tokens; micro-batch {d.n_ubatch}; threads "
+            f"  KV cache: {d.kv_cache}, {d.n_ctx} tokens; micro-batch {d.n_ubatch}; threads "
             f"{options.n_threads or 'all'}; GPU layers {options.n_gpu_layers}",
         ]
 

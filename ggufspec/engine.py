@@ -126,7 +126,7 @@ class SpeculativeEngine:
         headers = [read_header(p) for p in paths]
         if options.memory_check and options.n_gpu_layers == 0:
             extra = heads_memory(medusa_path, headers[0], medusa_vocab) if medusa_path is not None else []
-            check_memory(list(zip(paths, headers)), options.n_ctx, options.cache_type, extra)
+            check_memory(list(zip(paths, headers)), options.n_ctx, options.cache_type, options.cache_type_v, extra)
         target_options = options
         if draft_path is not None:  # room for `auto`'s draft trees (a unified cache: same size, same speed here)
             target_options = replace(options, n_seq_max=max(options.n_seq_max, DRAFT_TREE_SEQUENCES))

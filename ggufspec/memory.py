@@ -14,8 +14,9 @@ from .gguf_check import GGUFHeader
 GiB = 1 << 30
 
 
-def kv_bytes_per_token(header: GGUFHeader, kv_type: str = "f16") -> int:
-    """K and V of one token over all layers, stored as `kv_type`, from the GGUF's hyperparameters (0 if unknown)."""
+def kv_bytes_per_token(header: GGUFHeader, kv_type: str = "f16", kv_type_v: str | None = None) -> int:
+    """K and V of one token over all layers, stored as `kv_type` (V as `kv_type_v` if given), from the GGUF's
+    hyperparameters (0 if unknown)."""
     meta = header.metadata
     arch = meta.get("general.architecture")
 
@@ -27,7 +28,7 @@ def kv_bytes_per_token(header: GGUFHeader, kv_type: str = "f16") -> int:
     n_kv = hp("attention.head_count_kv") or n_head
     k_dim = hp("attention.key_length") or (n_embd // n_head if n_head else 0)
     v_dim = hp("attention.value_length") or k_dim
-    return int(n_layer * n_kv * (k_dim + v_dim) * bytes_per_value(kv_type))
+    return int(n_layer * n_kv * (k_dim * bytes_per_value(kv_type) + v_dim * bytes_per_value(kv_type_v or kv_type)))
 
 
 def bytes_per_value(kv_type: str) -> float:
@@ -36,8 +37,8 @@ def bytes_per_value(kv_type: str) -> float:
     return size / block
 
 
-def needed_bytes(header: GGUFHeader, n_ctx: int, kv_type: str = "f16") -> int:
-    return sum(t.n_bytes for t in header.tensors) + kv_bytes_per_token(header, kv_type) * n_ctx
+def needed_bytes(header: GGUFHeader, n_ctx: int, kv_type: str = "f16", kv_type_v: str | None = None) -> int:
+    return sum(t.n_bytes for t in header.tensors) + kv_bytes_per_token(header, kv_type, kv_type_v) * n_ctx
 
 
 def available_bytes() -> int | None:
@@ -54,14 +55,15 @@ def available_bytes() -> int | None:
         return None
 
 
-def check_memory(models: list[tuple[Path, GGUFHeader]], n_ctx: int, kv_type: str = "f16",
+def check_memory(models: list[tuple[Path, GGUFHeader]], n_ctx: int, kv_type: str = "f16", kv_type_v: str | None = None,
                  extra: Sequence[tuple[str, int]] = ()) -> None:
     """Refuse, with the numbers, when weights plus KV of all `models`, plus `extra` allocations (what, bytes),
     exceed the available RAM."""
     have = available_bytes()
     if have is None:
         return
-    parts = [(p, needed_bytes(h, n_ctx, kv_type), kv_bytes_per_token(h, kv_type) * n_ctx) for p, h in models]
+    parts = [(p, needed_bytes(h, n_ctx, kv_type, kv_type_v), kv_bytes_per_token(h, kv_type, kv_type_v) * n_ctx)
+             for p, h in models]
     need = sum(n for _, n, _ in parts) + sum(n for _, n in extra)
     if need > have:
         detail = "; ".join([f"{p.name}: {n / GiB:.2f} GiB (KV {kv / GiB:.2f} GiB)" for p, n, kv in parts]

@@ -7,7 +7,8 @@ import pytest
 
 from conftest import open_decoder
 from ggufspec import cli
-from ggufspec.decoder import KV_TYPES, DecoderOptions
+from ggufspec import kv_cache
+from ggufspec.decoder import KV_TYPES, DecoderOptions, kv_label
 from ggufspec.errors import GGUFSpecError
 
 # f32 tiny models: a k-token batch and k single decodes agreed to ~1e-5 on one machine here and
@@ -256,20 +257,27 @@ def test_context_overflow_is_an_error(tiny_target) -> None:
         d.feed([5])
 
 
-@pytest.mark.parametrize("batch", [2, 4, 7])
-def test_default_cache_verifies_bit_for_bit_past_256_tokens(smollm2_path, batch) -> None:
-    """With the default q8_0 cache on CPU, batches of any size give the logits single-token decodes give,
-    also once the context holds more than 256 tokens (where llama.cpp's f16 cache changes kernels)."""
+@pytest.mark.parametrize("v_type,batch", [("q8_0", 2), ("q8_0", 7), ("f16", 4), ("f16", 64)])
+def test_q8_0_k_cache_verifies_bit_for_bit_past_512_cells(smollm2_path, v_type, batch) -> None:
+    """With a q8_0 K cache on CPU (the default) and either V type the default may pick, batches of any size give the
+    logits single-token decodes give, also once the cache holds more than 512 cells (where llama.cpp's f16 cache
+    switches single tokens to a split kernel) and for 64-row batches (where it tiles)."""
     rng = np.random.default_rng(batch)
-    prefix = rng.integers(10, 40_000, size=300).tolist()
-    tokens = rng.integers(10, 40_000, size=14).tolist()
-    with open_decoder(smollm2_path) as d:
-        assert d.kv_type == "q8_0"
+    prefix = rng.integers(10, 40_000, size=600).tolist()
+    tokens = rng.integers(10, 40_000, size=70).tolist()
+    with open_decoder(smollm2_path, kv_type="q8_0", kv_type_v=v_type) as d:
+        assert (d.kv_type, d.kv_type_v) == ("q8_0", v_type)
         d.feed(prefix)
         single = np.array([d.feed([t])[-1] for t in tokens])
         d.rollback_to(len(prefix))
         batched = np.concatenate([d.feed(tokens[i:i + batch]) for i in range(0, len(tokens), batch)])
     np.testing.assert_array_equal(batched, single)
+
+
+def test_the_default_cpu_cache_is_q8_0_k_with_the_measured_v(smollm2_path) -> None:
+    with open_decoder(smollm2_path) as d:
+        assert (d.kv_type, d.kv_type_v) == ("q8_0", kv_cache.default_v_type())
+        assert d.kv_cache == kv_label("q8_0", d.kv_type_v)
 
 
 def test_cpu_micro_batches_of_64_change_no_logit(smollm2_path) -> None:
@@ -290,11 +298,16 @@ def test_kv_type_is_checked_and_used(smollm2_path) -> None:
         DecoderOptions(kv_type="q9_0")
     with pytest.raises(ValueError, match="needs flash attention"):
         DecoderOptions(kv_type="q8_0", flash_attn=False)
+    with pytest.raises(ValueError, match="kv_type_v must be one of"):
+        DecoderOptions(kv_type_v="q8")
+    with pytest.raises(ValueError, match="a q4_0 KV cache needs flash attention"):
+        DecoderOptions(kv_type="f16", kv_type_v="q4_0", flash_attn=False)
+    assert (DecoderOptions(kv_type="q8_0").cache_type_v, DecoderOptions(kv_type_v="f16").cache_type) == ("q8_0", "q8_0")
     assert cli.KV_TYPES == KV_TYPES  # spelled twice so that `--help` need not import llama.cpp
     assert DecoderOptions(flash_attn=False).cache_type == "f16"
     assert DecoderOptions(n_gpu_layers=-1).cache_type == "f16"
     with open_decoder(smollm2_path, kv_type="f16") as d:
-        assert d.kv_type == "f16"
+        assert (d.kv_type, d.kv_type_v, d.kv_cache) == ("f16", "f16", "f16")
 
 
 def test_default_cache_falls_back_to_f16_where_q8_0_cannot_hold_the_heads(tiny_target) -> None:

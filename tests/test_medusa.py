@@ -485,7 +485,7 @@ def test_memory_check_counts_the_output_matrix_v2_heads_copy(tiny_target, random
                       outtype="f16")
     assert heads_memory(v1, header) == []
     options = DecoderOptions(n_ctx=1024, n_threads=2)
-    need = memory.needed_bytes(header, options.n_ctx, options.cache_type)
+    need = memory.needed_bytes(header, options.n_ctx, options.cache_type, options.cache_type_v)
     monkeypatch.setattr(memory, "available_bytes", lambda: need + V * H * 2)  # the model fits, the copy does not
     with pytest.raises(GGUFSpecError, match="not enough memory.*output matrix"):
         SpeculativeEngine.load(tiny_target, options=options, medusa_path=random_heads)

@@ -35,9 +35,10 @@ class GGUFSummary:
     kv_bytes_per_token: int | None = None
     medusa: dict[str, Any] | None = None
 
-    def kv_bytes(self, n_ctx: int, kv_type: str = "f16") -> int:
-        """A KV cache of n_ctx tokens stored as kv_type."""
-        return int((self.kv_bytes_per_token or 0) * n_ctx * bytes_per_value(kv_type) / 2)
+    def kv_bytes(self, n_ctx: int, kv_type: str = "f16", kv_type_v: str | None = None) -> int:
+        """A KV cache of n_ctx tokens stored as kv_type (V as kv_type_v if given; K and V of equal width)."""
+        per_value = (bytes_per_value(kv_type) + bytes_per_value(kv_type_v or kv_type)) / 2
+        return int((self.kv_bytes_per_token or 0) * n_ctx * per_value / 2)
 
     def ram_bytes(self, n_ctx: int, kv_type: str = "f16") -> int:
         """Weights plus a KV cache of n_ctx tokens."""
@@ -164,7 +165,8 @@ def format_summary(s: GGUFSummary, n_ctx: int | None = None) -> str:
         if s.kv_bytes_per_token:
             ctx = n_ctx or min(int(s.context_length or 4096), 4096)
             lines.append(f"RAM at n_ctx={ctx}: {_size(s.ram_bytes(ctx, 'q8_0'))} (weights {_size(s.weight_bytes)} + "
-                         f"q8_0 KV cache {_size(s.kv_bytes(ctx, 'q8_0'))}, ggufspec's CPU default; "
+                         f"q8_0 KV cache {_size(s.kv_bytes(ctx, 'q8_0'))}, ggufspec's CPU default, or "
+                         f"{_size(s.kv_bytes(ctx, 'q8_0', 'f16'))} with f16 V where this CPU reads that faster; "
                          f"f16 as in llama.cpp: {_size(s.kv_bytes(ctx))})")
     lines.append("tensor groups:")
     width = max((len(g) for g in s.tensor_groups), default=0)
