@@ -177,24 +177,36 @@ def cached_measure(target: LlamaCppDecoder, draft: LlamaCppDecoder | None, k_max
     ~/.cache/ggufspec/costs.json (a home shared by different machines must not share their costs)."""
     path = costs_path()
     key = json.dumps([_identity(target), _identity(draft) if draft else None, k_max, LONG_BATCHES, machine()])
-    try:
-        table = json.loads(path.read_text())
-    except (OSError, ValueError):
-        table = {}
+    table = read_table(path)
     if key in table:
         return CostModel(**table[key])
     model, spread = measure(target, draft, k_max)
     if spread > MAX_SPREAD:
         return model
     table[key] = asdict(model)
+    write_table(path, table)
+    return model
+
+
+def read_table(path: Path) -> dict:
+    """A JSON table of measurements kept per machine and settings; empty when missing or unreadable."""
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return table if isinstance(table, dict) else {}
+
+
+def write_table(path: Path, table: dict) -> None:
+    """Replace the table in one step (processes may measure at once); a read-only home only costs a
+    re-measurement next time."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(table))
         os.replace(tmp, path)
     except OSError:
-        pass  # a read-only home only costs a re-measurement next time
-    return model
+        pass
 
 
 @functools.cache

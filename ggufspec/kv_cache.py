@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -38,29 +37,19 @@ def cache_path() -> Path:
 @functools.cache
 def default_v_type() -> str:
     """The V cache type to pair with a q8_0 K cache on CPU: measured on first use on this machine, then read back."""
-    from .costs import machine
+    from .costs import machine, read_table, write_table
     from .decoder import default_threads
 
     path, key = cache_path(), json.dumps([machine(), default_threads(), _CELLS])
-    try:
-        table = json.loads(path.read_text())
-    except (OSError, ValueError):
-        table = {}
+    table = read_table(path)
     if table.get(key) in V_TYPES:
         return table[key]
     try:
         times = measure()
     except GGUFSpecError:
         return "q8_0"  # llama.cpp could not build the probe's contexts here: keep the smaller cache, measure next run
-    choice = "f16" if times["f16"] < F16_WINS * times["q8_0"] else "q8_0"
-    table[key] = choice
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(table))
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only home only costs a re-measurement next time
+    table[key] = choice = "f16" if times["f16"] < F16_WINS * times["q8_0"] else "q8_0"
+    write_table(path, table)
     return choice
 
 
