@@ -203,6 +203,29 @@ def test_one_slow_tree_batch_does_not_price_trees_out() -> None:
     assert 1 in [tree_step(3.0) for _ in range(10)]
 
 
+def test_trees_priced_out_by_a_busy_spell_are_tried_again() -> None:
+    """While no tree runs, the price that tree batches raised ages back toward the measured costs, so the heads are
+    probed again and a tree that pays is verified again; one that keeps costing 3x is dropped again."""
+    tree = build_tree(TREES["mc_sim_15"])
+    sizer = TreeSizer(tree, CostModel([0.1, 0.11, 0.12, 0.13, 0.14], 0.0))
+    tokens = np.arange(100, 100 + tree.size)
+    kept = [int(tokens[tree.choices.index((0,)) + 1]), 7]
+
+    def step(slower: float) -> int:
+        n = len(sizer.plan(max_depth=5))
+        probe = n > 1 or sizer.wants_heads(n)
+        sizer.observe(tokens if probe else None, kept if probe else [7], 0.0, n, slower * sizer.costs.batch_seconds(n))
+        return n
+
+    sizes = [step(3.0) for _ in range(30)]
+    assert sizes[0] > 1 and sizes[-1] == 1 and sizer.tree_factor > 1.3, "a busy spell priced trees out"
+    sizes = [step(1.0) for _ in range(600)]
+    assert max(sizes[-100:]) > 1, "once the price has aged, a tree that pays runs again"
+    assert sizer.tree_factor < 1.1
+    sizes = [step(3.0) for _ in range(600)]
+    assert sum(n > 1 for n in sizes[-400:]) <= 10, "trees that keep costing 3x are tried again only now and then"
+
+
 def test_tree_sizer_verifies_what_pays_parents_first() -> None:
     tree = build_tree(TREES["mc_sim_15"])
     linear = CostModel([0.02 * n for n in range(1, 5)], 0.0, [16, 32, 64], [0.32, 0.64, 1.28])

@@ -69,6 +69,7 @@ class TreeSizer:
     PROBE_SHARE = 0.01
     TIMING_MEMORY = 0.8  # running averages of the heads' and a probe's time, past their first five samples
     TREE_STEP_MOST = 2.0  # one tree batch moves tree_factor as if it cost at most this many times the expected
+    TREE_FORGET = 0.995  # each plain step keeps this share of tree_factor's excess over 1 (half in ~140 steps)
 
     def __init__(self, tree: Tree, costs: CostModel, memory: float = 0.9) -> None:
         self.tree, self.costs, self.memory = tree, costs, memory
@@ -157,6 +158,10 @@ class TreeSizer:
             # must not price trees out for good
             ratio = verify_seconds / (self.tree_factor * self.costs.batch_seconds(n_verified))
             self.tree_factor *= min(max(ratio, 1 / self.TREE_STEP_MOST), self.TREE_STEP_MOST) ** 0.3
+        elif self.tree_factor > 1:
+            # and a price raised by past tree batches ages while no tree runs, so trees priced out by a busy spell
+            # are probed and tried again; trees that still cost more are dropped again by the steps above
+            self.tree_factor = 1 + self.TREE_FORGET * (self.tree_factor - 1)
 
     def _average(self, mean: float, sample: float, n: int) -> float:
         """The mean of the first samples, then a running average: one that starts from zero would underrate the
