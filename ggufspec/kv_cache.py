@@ -9,7 +9,6 @@ token with q8_0 V and 78 ms with f16 V (it turns each q8_0 V row back into float
 
 from __future__ import annotations
 
-import functools
 import json
 import statistics
 import tempfile
@@ -26,7 +25,7 @@ V_TYPES = ("q8_0", "f16")  # in order of preference: q8_0 takes half the memory
 F16_WINS = 0.9  # f16 V is chosen only when it attends in less than this share of q8_0 V's time
 
 _CELLS = 512  # cached tokens the timing attends to: enough to be dominated by attention on a one-layer model
-_HEADS, _KV_HEADS, _HEAD_DIM = 32, 8, 64  # a common geometry; the per-value costs compared do not depend on it
+_HEADS, _KV_HEADS, _HEAD_DIM = 32, 8, 64  # a common geometry: what differs between the V types is a cost per value read
 
 
 def cache_path() -> Path:
@@ -34,13 +33,23 @@ def cache_path() -> Path:
     return costs_path().with_name("kv_cache.json")
 
 
-@functools.cache
+# per cache file, the choice this process made: the two V types give different texts, so one process keeps one
+_chosen: dict[Path, str] = {}
+
+
 def default_v_type() -> str:
     """The V cache type to pair with a q8_0 K cache on CPU: measured on first use on this machine, then read back."""
+    path = cache_path()
+    if path not in _chosen:
+        _chosen[path] = _read_or_measure(path)
+    return _chosen[path]
+
+
+def _read_or_measure(path: Path) -> str:
     from .costs import machine, read_table, write_table
     from .decoder import default_threads
 
-    path, key = cache_path(), json.dumps([machine(), default_threads(), _CELLS])
+    key = json.dumps([machine(), default_threads(), _CELLS])
     table = read_table(path)
     if table.get(key) in V_TYPES:
         return table[key]
@@ -82,10 +91,12 @@ def write_attention_model(path: Path, n_vocab: int = 256, n_embd: int = 64) -> P
     """A one-layer llama GGUF whose cost is nearly all attention: narrow embeddings, wide heads, no tokenizer."""
     rng = np.random.default_rng(0)
     q_dim, kv_dim, ff = _HEADS * _HEAD_DIM, _KV_HEADS * _HEAD_DIM, 32
-
-    def w(*shape: int) -> np.ndarray:
-        return rng.normal(0, 0.1, size=shape).astype(np.float32)
-
+    shapes = {
+        "token_embd": (n_vocab, n_embd), "output": (n_vocab, n_embd),
+        "blk.0.attn_q": (q_dim, n_embd), "blk.0.attn_k": (kv_dim, n_embd), "blk.0.attn_v": (kv_dim, n_embd),
+        "blk.0.attn_output": (n_embd, q_dim),
+        "blk.0.ffn_gate": (ff, n_embd), "blk.0.ffn_up": (ff, n_embd), "blk.0.ffn_down": (n_embd, ff),
+    }
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_context_length(_CELLS + 64)
     writer.add_embedding_length(n_embd)
@@ -99,15 +110,10 @@ def write_attention_model(path: Path, n_vocab: int = 256, n_embd: int = 64) -> P
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_tokenizer_model("none")
     writer.add_vocab_size(n_vocab)
-    ones = np.ones(n_embd, np.float32)
-    for name, arr in {
-        "token_embd.weight": w(n_vocab, n_embd), "output_norm.weight": ones, "output.weight": w(n_vocab, n_embd),
-        "blk.0.attn_norm.weight": ones, "blk.0.attn_q.weight": w(q_dim, n_embd), "blk.0.attn_k.weight": w(kv_dim, n_embd),
-        "blk.0.attn_v.weight": w(kv_dim, n_embd), "blk.0.attn_output.weight": w(n_embd, q_dim),
-        "blk.0.ffn_norm.weight": ones, "blk.0.ffn_gate.weight": w(ff, n_embd), "blk.0.ffn_up.weight": w(ff, n_embd),
-        "blk.0.ffn_down.weight": w(n_embd, ff),
-    }.items():
-        writer.add_tensor(name, arr)
+    for name, shape in shapes.items():
+        writer.add_tensor(f"{name}.weight", rng.normal(0, 0.1, size=shape).astype(np.float32))
+    for name in ("output_norm", "blk.0.attn_norm", "blk.0.ffn_norm"):
+        writer.add_tensor(f"{name}.weight", np.ones(n_embd, np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
