@@ -12,9 +12,10 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import CPU_BACKEND, open_decoder
-from ggufspec import cpu_backend
+from ggufspec import cpu_backend, kv_cache
 from ggufspec.cli import main
 from ggufspec.convert.quantize import quantize
+from ggufspec.decoder import kv_label
 from ggufspec.errors import GGUFSpecError
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time, in a small village by the sea, there lived"
@@ -86,7 +87,7 @@ def test_doctor_reports_versions_kernels_and_where_weights_go(smollm2_q4_0) -> N
     assert f"llama-cpp-python {llama_cpp.__version__}" in out and "llama.cpp system info: CPU :" in out
     assert f"in use: {', '.join(CPU_BACKEND.in_use) or 'plain only'}" in out
     assert ("turned off: AMX" in out) == ("AMX" in CPU_BACKEND.dropped)
-    assert "KV cache: q8_0, 512 tokens" in out and "cost model cache:" in out
+    assert f"KV cache: {kv_label('q8_0', kv_cache.default_v_type())}, 512 tokens" in out and "cost model cache:" in out
     weights = next(line for line in out.splitlines() if line.strip().startswith("weights:"))
     assert "CPU_REPACK" not in weights  # --no-repack reaches the load
     assert "Q4_0" in out
