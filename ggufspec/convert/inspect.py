@@ -12,8 +12,8 @@ from gguf import GGUFReader, GGUFValueType
 
 from ggufspec.medusa import heads as medusa
 from ggufspec.errors import ModelFileError
-from ggufspec.gguf_check import read_header
-from ggufspec.memory import bytes_per_value, kv_bytes_per_token
+from ggufspec.gguf_check import GGUFHeader, read_header
+from ggufspec.memory import kv_bytes_per_token
 
 
 @dataclass
@@ -32,13 +32,13 @@ class GGUFSummary:
     tokenizer: dict[str, Any] = field(default_factory=dict)
     chat_template: bool = False
     context_length: int | None = None
-    kv_bytes_per_token: int | None = None
+    kv_bytes_per_token: int | None = None  # f16 K and V
     medusa: dict[str, Any] | None = None
+    header: GGUFHeader | None = field(default=None, repr=False, compare=False)
 
     def kv_bytes(self, n_ctx: int, kv_type: str = "f16", kv_type_v: str | None = None) -> int:
-        """A KV cache of n_ctx tokens stored as kv_type (V as kv_type_v if given; K and V of equal width)."""
-        per_value = (bytes_per_value(kv_type) + bytes_per_value(kv_type_v or kv_type)) / 2
-        return int((self.kv_bytes_per_token or 0) * n_ctx * per_value / 2)
+        """A KV cache of n_ctx tokens stored as kv_type (V as kv_type_v if given), as the memory check counts it."""
+        return kv_bytes_per_token(self.header, kv_type, kv_type_v) * n_ctx if self.header else 0
 
     def ram_bytes(self, n_ctx: int, kv_type: str = "f16") -> int:
         """Weights plus a KV cache of n_ctx tokens."""
@@ -114,7 +114,8 @@ def inspect_gguf(path: Path) -> GGUFSummary:
         "rope scaling": hp("rope.scaling.type") or ("llama3 (rope_freqs)" if any(t.name == "rope_freqs.weight" for t in r.tensors) else None),
     }
     s.context_length = hp("context_length")
-    s.kv_bytes_per_token = kv_bytes_per_token(read_header(path)) or None  # f16 K and V, as the memory check counts
+    s.header = read_header(path)
+    s.kv_bytes_per_token = kv_bytes_per_token(s.header) or None
     n_tokens = _array_len(r, "tokenizer.ggml.tokens")
     if n_tokens:
         tok = r.get_field("tokenizer.ggml.tokens")
