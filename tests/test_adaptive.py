@@ -100,6 +100,20 @@ def test_a_short_miss_does_not_outweigh_long_runs_kept_whole() -> None:
     assert copy.acceptance[-1] > 0.95 and copy.planned() in costs.k_long
 
 
+def test_short_guesses_kept_whole_teach_the_deep_positions() -> None:
+    """Where a batch of k_max + 1 costs a jump more than one of k_max (this Zen 4: 3.07 against 2.33 decodes), a
+    copy's guesses are k_max - 1 long; kept whole, they must still lead to long guesses (they did not: the deep
+    entry learned from position k_max - 1 on, and 84 copied tokens went by in 3-token guesses)."""
+    costs = CostModel([0.0418, 0.0689, 0.085, 0.0973, 0.1285], 0.0103, [16, 32, 64], [0.2814, 0.5584, 1.0816])
+    copy = AdaptiveLength(costs, 4, prior=0.9, free=True, longer=costs.k_long)
+    copy.update(3, 3)
+    assert copy.planned() == 3  # at the prior, a 16-token batch (6.7 decodes) does not pay
+    for _ in range(20):
+        k = copy.choose()
+        copy.update(k, k)
+    assert copy.planned() in costs.k_long and copy.acceptance[-1] > 0.95
+
+
 def test_a_long_lookup_guess_needs_a_long_copy_before_it() -> None:
     greedy, rng = SamplingParams(), np.random.default_rng(0)
     auto = AutoDrafter(LookupDrafter(200), None, LONG.copy(), 3)
