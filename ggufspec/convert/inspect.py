@@ -13,7 +13,7 @@ from gguf import GGUFReader, GGUFValueType
 from ggufspec.medusa import heads as medusa
 from ggufspec.errors import ModelFileError
 from ggufspec.gguf_check import GGUFHeader, read_header
-from ggufspec.memory import kv_bytes_per_token
+from ggufspec import memory
 
 
 @dataclass
@@ -32,13 +32,17 @@ class GGUFSummary:
     tokenizer: dict[str, Any] = field(default_factory=dict)
     chat_template: bool = False
     context_length: int | None = None
-    kv_bytes_per_token: int | None = None  # f16 K and V
     medusa: dict[str, Any] | None = None
     header: GGUFHeader | None = field(default=None, repr=False, compare=False)
 
+    @property
+    def kv_bytes_per_token(self) -> int | None:
+        """An f16 KV cache's bytes a token; None where the header says nothing of the attention."""
+        return (memory.kv_bytes_per_token(self.header) or None) if self.header else None
+
     def kv_bytes(self, n_ctx: int, kv_type: str = "f16", kv_type_v: str | None = None) -> int:
         """A KV cache of n_ctx tokens stored as kv_type (V as kv_type_v if given), as the memory check counts it."""
-        return kv_bytes_per_token(self.header, kv_type, kv_type_v) * n_ctx if self.header else 0
+        return memory.kv_bytes_per_token(self.header, kv_type, kv_type_v) * n_ctx if self.header else 0
 
     def ram_bytes(self, n_ctx: int, kv_type: str = "f16") -> int:
         """Weights plus a KV cache of n_ctx tokens."""
@@ -115,7 +119,6 @@ def inspect_gguf(path: Path) -> GGUFSummary:
     }
     s.context_length = hp("context_length")
     s.header = read_header(path)
-    s.kv_bytes_per_token = kv_bytes_per_token(s.header) or None
     n_tokens = _array_len(r, "tokenizer.ggml.tokens")
     if n_tokens:
         tok = r.get_field("tokenizer.ggml.tokens")
