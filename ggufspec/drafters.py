@@ -284,9 +284,9 @@ class AdaptiveLength:
             a[i] = m * a[i] + (1 - m) * (i < accepted)
         # the deep positions share one entry, observed by each judged position after the first: the chance that a
         # copy holds for one more token (as one observation a step, a short miss weighed like a long run kept whole,
-        # and guesses stayed at 15 tokens in copies of 100+). From the second position, not from k_max - 1: where a
-        # batch of k_max + 1 tokens costs a jump more than one of k_max (Zen 4 here), copy guesses stay k_max - 1
-        # long, and a deep entry they could not teach kept 84 copied tokens in 3-token guesses.
+        # and guesses stayed at 15 tokens in copies of 100+).
+        # From the second position, since where a batch of k_max + 1 costs a jump more than one of k_max, copy
+        # guesses stay shorter than k_max and must still be able to price long guesses in.
         for i in range(1, judged) if self.longer else ():
             a[-1] = m * a[-1] + (1 - m) * (i < accepted)
 
