@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from pathlib import Path
 
@@ -151,7 +152,8 @@ def test_failure_mid_write_leaves_nothing_and_keeps_old_file(model: Path, tmp_pa
         return real(arr, qtype)
 
     monkeypatch.setattr(writing, "encode", failing)
-    with pytest.raises(ConversionError, match=r"m\.gguf: cannot write \(No space left on device\)"):
+    full = rf"^cannot write to {re.escape(str(tmp_path))}: No space left on device \(m\.gguf was not written\)$"
+    with pytest.raises(ConversionError, match=full):
         convert_hf(model, out)
     assert out.read_bytes() == b"previous good file"
     assert outputs(tmp_path) == ["m.gguf"]

@@ -126,7 +126,8 @@ COMMANDS = [convert, quantize_cmd, inspect_cmd]
 
 def run_script(cmd: click.Command) -> None:
     """Run one command as a standalone script, with the CLI's error handling: GGUFSpecError -> message, exit 2;
-    Ctrl-C -> "interrupted", exit 130."""
+    Ctrl-C -> "interrupted", exit 130. SIGTERM/SIGHUP while writing end the process from inside the writers
+    ("terminated", exit 128 + signal, as SystemExit, which passes through here untouched)."""
     from ggufspec.errors import GGUFSpecError
 
     try:

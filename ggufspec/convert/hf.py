@@ -12,8 +12,9 @@ from typing import Callable
 import numpy as np
 from gguf import MODEL_ARCH, MODEL_ARCH_NAMES, MODEL_TENSOR, GGUFWriter, RopeScalingType, get_tensor_name_map
 
-from ggufspec.convert.checkpoint import TensorRef, load_checkpoint
+from ggufspec.convert.checkpoint import TensorRef, checkpoint_files, load_checkpoint
 from ggufspec.convert.vocab import VocabData, load_gguf_vocab, load_hf_vocab
+from ggufspec.convert.outputs import refuse_overwriting_inputs
 from ggufspec.convert.writing import OUT_TYPES, PlannedTensor, storage_type, write_gguf
 from ggufspec.errors import ConversionError, ModelFileError
 
@@ -27,6 +28,14 @@ ARCHITECTURES: dict[str, tuple[MODEL_ARCH, bool]] = {
 }
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+# Files of an HF folder besides the weights that the conversion (or gguf.SpecialVocab, for special tokens, merges
+# and the chat template) may read: none of them may be the output.
+SIDE_FILES = (
+    "config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json", "tokenizer.json",
+    "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "generation_config.json",
+    "added_tokens.json", "vocab.json", "merges.txt", "chat_template.json", "chat_template.jinja",
+)
 
 
 @dataclass
@@ -266,6 +275,21 @@ def _hf_stub(kind: MODEL_TENSOR, bid: int) -> str:
     return f"model.layers.{bid}.{_HF_STUBS[kind]}"
 
 
+def input_files(model_dir: Path, vocab_from: Path | None = None) -> list[Path]:
+    """Every file `convert_hf` may read: the weight files, the folder's config and tokenizer files, `vocab_from`.
+
+    The weights are listed as `checkpoint_files` finds them; when it cannot (no weights), every file that looks
+    like weights is listed instead, so the check still covers them and the conversion reports the real problem.
+    """
+    model_dir = Path(model_dir)
+    try:
+        weights = checkpoint_files(model_dir)
+    except ModelFileError:
+        weights = [*model_dir.glob("*.safetensors"), *model_dir.glob("*.bin"), *model_dir.glob("*.pt")]
+    extra = [vocab_from] if vocab_from is not None else []
+    return [*weights, *(model_dir / n for n in SIDE_FILES), *extra]
+
+
 def convert_hf(
     model_dir: Path,
     out: Path,
@@ -275,10 +299,15 @@ def convert_hf(
     name: str | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> ConversionReport:
-    """Convert the HF model folder `model_dir` to the GGUF file `out`."""
+    """Convert the HF model folder `model_dir` to the GGUF file `out`.
+
+    `out` must not be, or link to, any file the conversion reads (`input_files`): that is refused before anything
+    is read or written. The output is written atomically (`write_gguf`).
+    """
     model_dir, out = Path(model_dir), Path(out)
     if not model_dir.is_dir():
         raise ModelFileError(f"{model_dir}: not a folder; give the folder holding config.json and the weights")
+    refuse_overwriting_inputs(out, input_files(model_dir, vocab_from))
     if outtype not in OUT_TYPES:
         raise ConversionError(f"unknown output type {outtype!r}; choose one of {', '.join(OUT_TYPES)}")
     hp = read_config(model_dir)

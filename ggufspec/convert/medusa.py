@@ -14,6 +14,7 @@ from typing import Callable
 from gguf import GGUFWriter
 
 from ggufspec.convert.checkpoint import TensorRef, open_tensor_file
+from ggufspec.convert.outputs import refuse_overwriting_inputs
 from ggufspec.convert.writing import OUT_TYPES, PlannedTensor, storage_type, write_gguf
 from ggufspec.errors import ConversionError, ModelFileError
 from ggufspec.medusa.heads import (
@@ -40,18 +41,22 @@ class MedusaReport:
     seconds: float
 
 
-def find_source(src: Path) -> tuple[Path, dict]:
-    """The weights file and parsed config.json (or {}) of a Medusa head set given as folder or file."""
+def source_paths(src: Path) -> tuple[Path, Path]:
+    """The weights file and the config.json path (which may not exist) of a Medusa head set given as folder or file."""
     src = Path(src)
     if src.is_dir():
         weights = next((src / n for n in SOURCE_FILES if (src / n).exists()), None)
         if weights is None:
             raise ModelFileError(f"{src}: no Medusa weights found (expected one of {', '.join(SOURCE_FILES)})")
-        cfg_path = src / "config.json"
-    elif src.is_file():
-        weights, cfg_path = src, src.parent / "config.json"
-    else:
-        raise ModelFileError(f"{src}: does not exist")
+        return weights, src / "config.json"
+    if src.is_file():
+        return src, src.parent / "config.json"
+    raise ModelFileError(f"{src}: does not exist")
+
+
+def find_source(src: Path) -> tuple[Path, dict]:
+    """The weights file and parsed config.json (or {}) of a Medusa head set given as folder or file."""
+    weights, cfg_path = source_paths(src)
     cfg: dict = {}
     if cfg_path.is_file():
         try:
@@ -89,10 +94,15 @@ def convert_medusa(
     vocab_size: int | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> MedusaReport:
-    """Convert a FasterDecoding Medusa head set (folder or weights file) to the GGUF file `out`."""
+    """Convert a FasterDecoding Medusa head set (folder or weights file) to the GGUF file `out`.
+
+    `out` must not be, or link to, the weights file or config.json read: that is refused before anything is
+    written. The output is written atomically (`write_gguf`).
+    """
     if outtype not in ("f32", "f16", "q8_0"):
         raise ConversionError(f"unknown output type {outtype!r} for Medusa heads; choose f16, f32 or q8_0")
     start = time.perf_counter()
+    refuse_overwriting_inputs(Path(out), source_paths(src))
     weights, cfg = find_source(src)
     refs = open_tensor_file(weights)
     heads, layers, parts = _layout(weights, refs)

@@ -18,6 +18,10 @@ from typing import Callable, Iterator
 from gguf import GGMLQuantizationType, LlamaFileType
 
 from ggufspec import llama_log
+from ggufspec.convert.outputs import (
+    ENDING_SIGNALS, check_output_path, exit_code, output_problem, refuse_overwriting_inputs, remove_quietly,
+    takes_default_action, temp_output, write_error,
+)
 from ggufspec.errors import ConversionError
 from ggufspec.gguf_check import read_header
 
@@ -114,34 +118,53 @@ class _LogCapture:
 
 
 @contextmanager
-def _sigint_ends_process(tmp: Path) -> Iterator[None]:
-    """While llama_model_quantize runs, Ctrl-C deletes `tmp` and ends the process with 130 (as Ctrl-C does).
+def _signals_end_process(tmp: Path) -> Iterator[None]:
+    """While llama_model_quantize runs, Ctrl-C, SIGTERM and SIGHUP delete `tmp` and end the process at once: exit
+    130 with "interrupted" for Ctrl-C, 128 + the signal with "terminated" for the others (143 for SIGTERM).
 
-    The C call cannot be cancelled, and Python runs the SIGINT handler only inside llama.cpp's log callback, where
-    ctypes prints and drops the KeyboardInterrupt (the quantizer went on and the command exited 0), or after the call
-    returns, minutes later for a big model. Only when SIGINT has Python's default handler, on the main thread.
+    The C call cannot be cancelled, and Python runs signal handlers only inside llama.cpp's log callback, where
+    ctypes prints and drops the exception (the quantizer went on and the command exited 0), or after the call
+    returns, minutes later for a big model. Only on the main thread, and only for signals whose handler is the
+    default one (Python's for SIGINT; SIG_DFL or `temp_output`'s for the others, see `takes_default_action`);
+    the previous handlers come back afterwards.
     """
-    main = threading.current_thread() is threading.main_thread()
-    if not main or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
+    ours = [s for s in ENDING_SIGNALS if takes_default_action(s)]
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        ours.append(signal.SIGINT)
 
     def stop(signum: int, frame: object) -> None:
+        remove_quietly(tmp)  # llama.cpp may still hold it open: the data goes with the process
         try:
-            tmp.unlink()  # llama.cpp may still hold it open: the data goes with the process
-        except OSError:
-            pass
-        try:
-            sys.stderr.write("\ninterrupted\n")
+            sys.stderr.write("\ninterrupted\n" if signum == signal.SIGINT else "\nterminated\n")
             sys.stderr.flush()
         finally:
-            os._exit(130)
+            os._exit(130 if signum == signal.SIGINT else exit_code(signum))
 
-    signal.signal(signal.SIGINT, stop)
+    previous = {s: signal.getsignal(s) for s in ours}
+    for s in ours:
+        signal.signal(s, stop)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def _failure(inp: Path, out: Path, tmp: Path, qtype: str, log: _LogCapture, rc: int) -> ConversionError:
+    """The error for llama_model_quantize returning `rc` != 0: about the output folder when it cannot take the file,
+    else about the input, with llama.cpp's last error line.
+
+    llama.cpp reports a failed write only as "basic_ios::clear", with no reason and no hint that the output, not
+    the input, is at fault: `output_problem` asks the folder.
+    """
+    problem = output_problem(tmp)
+    if problem is not None:
+        return write_error(out, problem)
+    detail = next((ln for ln in reversed(log.text) if "error" in ln.lower() or "failed" in ln.lower()), "")
+    return ConversionError(f"{inp}: llama.cpp could not quantize to {qtype} ({detail.strip() or f'code {rc}'})")
 
 
 def quantize(
@@ -156,8 +179,10 @@ def quantize(
 ) -> QuantizeReport:
     """Quantize GGUF `inp` to `out` as `qtype` (a llama.cpp ftype name); atomic: temp file, then rename.
 
-    llama.cpp's quantizer cannot be cancelled: Ctrl-C during it (on the main thread, with Python's
-    default SIGINT handler) deletes the temp file and ends the process with exit code 130.
+    `out` must not be `inp` or a link to it, and its folder must take a file; an unwritable or full output folder
+    is reported as such (`write_error`), not as a fault of the input. llama.cpp's quantizer cannot be cancelled:
+    Ctrl-C, SIGTERM or SIGHUP during it (on the main thread, with the default handlers) deletes the temp file and
+    ends the process (exit 130, or 128 + the signal).
     """
     import llama_cpp
 
@@ -168,10 +193,8 @@ def quantize(
     if name in _NEEDS_IMATRIX:
         raise ConversionError(f"{qtype} needs an importance matrix, which `ggufspec quantize` does not take; use llama-quantize")
     read_header(inp)
-    if not out.parent.is_dir():
-        raise ConversionError(f"{out}: folder {out.parent} does not exist; create it first")
-    if out.resolve() == inp.resolve():
-        raise ConversionError(f"{out}: output would overwrite the input; choose another file name")
+    check_output_path(out)
+    refuse_overwriting_inputs(out, [inp])
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.nthread = threads if threads > 0 else (os.cpu_count() or 1)
@@ -182,21 +205,12 @@ def quantize(
     if embedding_type:
         params.token_embedding_type = tensor_type(embedding_type)
 
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     start = time.perf_counter()
-    try:
-        with _LogCapture(progress) as log, _sigint_ends_process(tmp):
+    with temp_output(out) as tmp:  # creates the temp file: an unwritable folder fails here, before llama.cpp
+        with _LogCapture(progress) as log, _signals_end_process(tmp):
             rc = llama_cpp.llama_model_quantize(str(inp).encode(), str(tmp).encode(), ctypes.byref(params))
         if rc != 0:
-            detail = next((ln for ln in reversed(log.text) if "error" in ln.lower() or "failed" in ln.lower()), "")
-            raise ConversionError(f"{inp}: llama.cpp could not quantize to {qtype} ({detail.strip() or f'code {rc}'})")
-        os.replace(tmp, out)
-    except BaseException:
-        try:
-            tmp.unlink()
-        except FileNotFoundError:
-            pass
-        raise
+            raise _failure(inp, out, tmp, qtype, log, rc)
     seconds = time.perf_counter() - start
     counts = Counter(GGMLQuantizationType(t.type).name for t in read_header(out).tensors)
     return QuantizeReport(out, inp.stat().st_size, out.stat().st_size, seconds, dict(counts), log.fallbacks)

@@ -1,8 +1,8 @@
-"""Streaming GGUF output: tensors encoded one at a time into a temp file, renamed into place only when complete."""
+"""Streaming GGUF output: tensors encoded one at a time into a temp file, renamed into place only when complete
+(through `outputs.temp_output`)."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -11,6 +11,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, LlamaFileType
 from gguf import quants
 
+from ggufspec.convert.outputs import temp_output
 from ggufspec.errors import ConversionError
 
 Q = GGMLQuantizationType
@@ -70,50 +71,45 @@ def write_gguf(
     tensors: list[PlannedTensor],
     progress: Callable[[int], None] | None = None,
 ) -> None:
-    """Write a complete GGUF at `out` (atomically: temp file in the same folder, then rename)."""
-    out = Path(out)
-    if out.is_dir():
-        raise ConversionError(f"{out}: is a directory; give a file name for the output GGUF")
-    if not out.parent.is_dir():
-        raise ConversionError(f"{out}: folder {out.parent} does not exist; create it first")
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    w: GGUFWriter | None = None
-    try:
+    """Write a complete GGUF at `out` (atomically: temp file in the same folder, then rename).
+
+    Failures, Ctrl-C, SIGTERM and SIGHUP leave no temp file and no change at `out` (see `temp_output`).
+    """
+    with temp_output(out) as tmp:
         w = GGUFWriter(tmp, arch)
-        add_metadata(w)
-        for t in tensors:
-            w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.qtype)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
-        for t in tensors:
-            arr = t.load()
-            if tuple(arr.shape) != tuple(t.shape):
-                raise ConversionError(f"tensor {t.name}: produced shape {list(arr.shape)}, expected {list(t.shape)}")
-            data = encode(arr, t.qtype)
-            del arr
-            w.write_tensor_data(data)
-            del data
-            if progress:
-                progress(t.source_bytes)
-        w.close()
-        os.replace(tmp, out)
-    except OSError as e:
-        _discard(w, tmp)
-        raise ConversionError(f"{out}: cannot write ({e.strerror or e}); nothing was written there") from e
-    except BaseException:
-        _discard(w, tmp)
-        raise
+        try:
+            _write_all(w, add_metadata, tensors, progress)
+        except BaseException:
+            _close_quietly(w)
+            raise
 
 
-def _discard(w: GGUFWriter | None, tmp: Path) -> None:
-    for f in (w.fout or []) if w is not None else []:
+def _write_all(w: GGUFWriter, add_metadata: Callable[[GGUFWriter], None], tensors: list[PlannedTensor],
+               progress: Callable[[int], None] | None) -> None:
+    """Header, metadata, tensor infos, then each tensor loaded, checked and encoded one at a time; closes `w`."""
+    add_metadata(w)
+    for t in tensors:
+        w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for t in tensors:
+        arr = t.load()
+        if tuple(arr.shape) != tuple(t.shape):
+            raise ConversionError(f"tensor {t.name}: produced shape {list(arr.shape)}, expected {list(t.shape)}")
+        data = encode(arr, t.qtype)
+        del arr
+        w.write_tensor_data(data)
+        del data
+        if progress:
+            progress(t.source_bytes)
+    w.close()
+
+
+def _close_quietly(w: GGUFWriter) -> None:
+    """Close the writer's open files after a failure; a flush that fails again (disk still full) is not news."""
+    for f in w.fout or []:
         try:
             f.close()
         except OSError:
             pass
-    try:
-        tmp.unlink()
-    except FileNotFoundError:
-        pass
-

@@ -49,6 +49,10 @@ def train_cmd(target: Path, out: Path, prompts: Path | None, text_file: Path | N
               weight_decay: float, soft_weight: float, tree_nodes: int, own_lm_head: bool, outtype: str,
               checkpoint_dir: Path | None, threads: int | None) -> None:
     """Collect hidden states of TARGET, train Medusa heads on them, and write the heads to OUT (GGUF)."""
+    ckpt = checkpoint_dir or out.with_name(out.stem + "-checkpoint")
+    # before hours of work, not after, and before importing llama.cpp
+    _refuse_clobbering(out, ckpt, [target, prompts, text_file, data_cache])
+
     from ..convert.medusa import convert_medusa
     from ..trees import DEFAULT_TREE, TREES
     from .fit import fit_heads_tree, tree_accepted
@@ -101,7 +105,6 @@ def train_cmd(target: Path, out: Path, prompts: Path | None, text_file: Path | N
             choices = None
             say(f"tree: the heads ranked no held-out token high enough ({len(ranks)} positions); none stored, "
                 f"generate will use {DEFAULT_TREE}", force=True)
-    ckpt = checkpoint_dir or out.with_name(out.stem + "-checkpoint")
     save_checkpoint(ckpt, blocks, [lm] * heads if own_lm_head else None, base_model=target.name, vocab_size=lm.shape[0],
                     choices=choices)
     rep = convert_medusa(ckpt, out, outtype)
@@ -120,12 +123,14 @@ def train_cmd(target: Path, out: Path, prompts: Path | None, text_file: Path | N
 def tree_cmd(target: Path, heads_path: Path, data: Path, out: Path, nodes: int) -> None:
     """Fit a candidate tree to HEADS on the answers in DATA (a `medusa train --data` cache) and write it to OUT
     (JSON, for `generate --tree OUT`). Use answers the heads were not trained on."""
+    from ..convert.outputs import refuse_overwriting_inputs, temp_output
     from ..gguf_check import read_header
     from ..trees import DEFAULT_TREE, TREES
     from .fit import fit_heads_tree, tree_accepted
     from .heads import Heads
     from .train import Corpus, training_pairs
 
+    refuse_overwriting_inputs(out, [target, heads_path, data])
     meta = read_header(target).metadata
     n_embd = int(meta.get(f"{meta.get('general.architecture')}.embedding_length", 0))
     heads = Heads.load(heads_path, target, n_embd, int(meta.get("tokenizer.ggml.tokens", 0)))
@@ -133,9 +138,26 @@ def tree_cmd(target: Path, heads_path: Path, data: Path, out: Path, nodes: int) 
     choices, accepted, ranks = fit_heads_tree(heads, pairs, np.arange(len(pairs.rows)), nodes)
     if not choices:
         raise click.UsageError(f"the heads ranked no token of {data} high enough to fit a tree")
-    out.write_text(json.dumps(choices) + "\n", encoding="utf-8")
+    with temp_output(out) as tmp:
+        tmp.write_text(json.dumps(choices) + "\n", encoding="utf-8")
     click.echo(f"wrote {out}: {len(choices)} nodes, ~{1 + accepted:.2f} tokens per pass on {len(ranks)} positions "
                f"({DEFAULT_TREE}: ~{1 + tree_accepted(ranks, TREES[DEFAULT_TREE]):.2f})")
+
+
+def _refuse_clobbering(out: Path, ckpt: Path, inputs: list[Path | None]) -> None:
+    """Raise ConversionError when OUT or a checkpoint file `train` writes is, or links to, one of `inputs` (TARGET,
+    --prompts, --text, --data), when OUT is the checkpoint folder, or when OUT's folder is missing."""
+    from ..convert.medusa import SOURCE_FILES
+    from ..convert.outputs import check_output_path, refuse_overwriting_inputs, same_file
+    from ..errors import ConversionError
+
+    check_output_path(out)
+    written = [ckpt / SOURCE_FILES[0], ckpt / "config.json"]  # what save_checkpoint writes
+    refuse_overwriting_inputs(out, [*inputs, *written])
+    for path in written:
+        refuse_overwriting_inputs(path, inputs)
+    if same_file(out, ckpt):
+        raise ConversionError(f"{out}: is also the checkpoint folder (--checkpoint-dir); choose another file name")
 
 
 def _printer():

@@ -35,11 +35,17 @@ class Corpus:
     top_logits: list[np.ndarray] | None = None
 
     def save(self, path: Path) -> None:
+        """Write the corpus to `path` (.npz content) atomically: no file, or a complete one, even on SIGTERM."""
+        from ..convert.outputs import temp_output
+
         lengths = np.array([len(t) for t in self.tokens], dtype=np.int64)
         soft = {}
         if self.top_ids is not None and self.top_logits is not None:
             soft = {"top_ids": np.concatenate(self.top_ids), "top_logits": np.concatenate(self.top_logits)}
-        np.savez(path, lengths=lengths, tokens=np.concatenate(self.tokens), hidden=np.concatenate(self.hidden), **soft)
+        # through a temp file: an interrupted or failed save must not leave a cache that the next run reuses; and
+        # through a file object, so that numpy writes exactly `path` (given a name, it appends ".npz")
+        with temp_output(path) as tmp, open(tmp, "wb") as f:
+            np.savez(f, lengths=lengths, tokens=np.concatenate(self.tokens), hidden=np.concatenate(self.hidden), **soft)
 
     @classmethod
     def load(cls, path: Path) -> Corpus:
@@ -154,6 +160,8 @@ def save_checkpoint(
     (with `medusa_choices`, the candidate tree fitted to the heads, when given)."""
     from safetensors.numpy import save_file
 
+    from ..convert.outputs import temp_output
+
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, np.ndarray] = {}
@@ -163,7 +171,8 @@ def save_checkpoint(
             tensors[f"{i}.{j}.linear.bias"] = np.ascontiguousarray(b, dtype=np.float32)
         if lm_heads is not None:
             tensors[f"{i}.{len(blocks)}.weight"] = np.ascontiguousarray(lm_heads[i], dtype=np.float32)
-    save_file(tensors, str(out_dir / "medusa_lm_head.safetensors"))
+    with temp_output(out_dir / "medusa_lm_head.safetensors") as tmp:  # no half-written checkpoint on failure
+        save_file(tensors, str(tmp))
     config = {
         "medusa_num_heads": len(res), "medusa_num_layers": len(res[0]) if res else 0,
         "version": 1 if lm_heads is not None else 2, "base_model_name_or_path": base_model,
@@ -171,7 +180,8 @@ def save_checkpoint(
     }
     if choices is not None:
         config["medusa_choices"] = choices
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    with temp_output(out_dir / "config.json") as tmp:
+        tmp.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return out_dir
 
 
