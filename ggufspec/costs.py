@@ -9,18 +9,27 @@ best draft length is found by measuring, not assumed.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 import json
+import math
 import os
 import platform
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import llama_cpp
 
 from .decoder import Decoder, LlamaCppDecoder
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
 
 # Costs are learned per context size: up to this many cached tokens, twice as many, four times... (past 256
 # cached tokens llama.cpp's CPU flash attention decodes a batch with other kernels than one token: measured
@@ -174,39 +183,138 @@ def costs_path() -> Path:
 
 def cached_measure(target: LlamaCppDecoder, draft: LlamaCppDecoder | None, k_max: int) -> CostModel:
     """measure(), remembered per model files, thread settings, CPU and llama.cpp build in
-    ~/.cache/ggufspec/costs.json (a home shared by different machines must not share their costs)."""
+    ~/.cache/ggufspec/costs.json (a home shared by different machines must not share their costs).
+
+    A cached entry is used only when check_costs passes it: a bad one is reported on stderr, measured again and
+    written over, so what the cache holds never makes a run fail."""
     path = costs_path()
     key = json.dumps([_identity(target), _identity(draft) if draft else None, k_max, LONG_BATCHES, machine()])
-    table = read_table(path)
-    if key in table:
-        return CostModel(**table[key])
+    entry = read_entry(path, key, lambda value: check_costs(value, k_max))
+    if entry is not None:
+        return CostModel(**entry)
     model, spread = measure(target, draft, k_max)
     if spread > MAX_SPREAD:
         return model
-    table[key] = asdict(model)
-    write_table(path, table)
+    write_table(path, {key: asdict(model)})
     return model
 
 
+def check_costs(entry: object, k_max: int) -> str | None:
+    """What is wrong with a cached CostModel (as asdict wrote it) for draft lengths up to k_max; None if nothing is.
+
+    verify: k_max + 1 seconds; draft: seconds or 0 (no draft model); long_sizes: what measure() takes of
+    LONG_BATCHES (the sizes past verify's, up to those that fit), with one long_verify time each (both may be
+    missing). Seconds are finite floats above 0: prices divide by them and interpolate between the sizes."""
+    if not isinstance(entry, dict):
+        return f"expected an object, found {_json_type(entry)}"
+    unknown = sorted(set(entry) - {"verify", "draft", "long_sizes", "long_verify"})
+    if unknown:
+        return f"unknown fields: {', '.join(unknown)}"
+    verify, draft = entry.get("verify"), entry.get("draft")
+    sizes, secs = entry.get("long_sizes", []), entry.get("long_verify", [])
+    longs = [n for n in LONG_BATCHES if n > k_max + 1]
+    if not (isinstance(verify, list) and len(verify) == k_max + 1 and all(map(_seconds, verify))):
+        return f"verify: expected {k_max + 1} positive numbers"
+    if not (type(draft) is float and math.isfinite(draft) and draft >= 0):
+        return "draft: expected a number >= 0"
+    if not (isinstance(sizes, list) and sizes == longs[:len(sizes)]):
+        return f"long_sizes: expected the first sizes of {longs}"
+    if not (isinstance(secs, list) and len(secs) == len(sizes) and all(map(_seconds, secs))):
+        return f"long_verify: expected {len(sizes)} positive numbers, one per long size"
+    return None
+
+
+def _seconds(x: object) -> bool:
+    """A time as measure() writes one: a float, finite (json reads NaN and Infinity too) and above 0."""
+    return type(x) is float and math.isfinite(x) and x > 0
+
+
+def _json_type(value: object) -> str:
+    """The JSON name of a parsed value's type, for notices."""
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+    return names.get(type(value), "a number")
+
+
+def notice(message: str) -> None:
+    """One line on stderr about the cache (the run goes on)."""
+    print(f"ggufspec: {message}", file=sys.stderr)
+
+
+def read_entry(path: Path, key: str, check: Callable[[object], str | None]) -> Any:
+    """The value at `key` in the table at `path`; None when it is missing or `check` (what is wrong with a value,
+    or None) rejects it, which a notice on stderr then says: the caller measures again and writes over it."""
+    table = read_table(path)
+    if key not in table:
+        return None
+    why = check(table[key])
+    if why is not None:
+        notice(f"ignoring a bad entry in {path} ({why}); measuring again")
+        return None
+    return table[key]
+
+
 def read_table(path: Path) -> dict:
-    """A JSON table of measurements kept per machine and settings; empty when missing or unreadable."""
+    """A JSON table of measurements kept per machine and settings; empty when missing or unreadable, and when it is
+    not a JSON object (said on stderr: the next measurement written replaces it)."""
+    table, why = _load(path)
+    if why is not None:
+        notice(f"ignoring {path} ({why}); measuring again")
+    return table
+
+
+def _load(path: Path) -> tuple[dict, str | None]:
+    """The table at `path` and, when its content is not a JSON object, why (the table is then empty)."""
     try:
-        table = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return table if isinstance(table, dict) else {}
+        data = path.read_bytes()
+    except OSError:
+        return {}, None  # missing or unreadable: a re-measurement, silently
+    try:
+        table = json.loads(data)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError; deep nesting exhausts the parser
+        return {}, "not JSON"
+    if not isinstance(table, dict):
+        return {}, f"expected a JSON object, found {_json_type(table)}"
+    return table, None
 
 
-def write_table(path: Path, table: dict) -> None:
-    """Replace the table in one step (processes may measure at once); a read-only home only costs a
-    re-measurement next time."""
+def write_table(path: Path, entries: dict) -> None:
+    """Merge `entries` into the table at `path`, keeping what other processes wrote since this one read it.
+
+    Under an exclusive lock on a sidecar `.lock` file the table is read again, updated and replaced in one step
+    (a reader never sees half a file). A read-only or full cache folder only costs a re-measurement next time:
+    failures are silent and leave no temporary file behind."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(table))
-        os.replace(tmp, path)
+        with _locked(path):
+            table, _ = _load(path)  # a file that is not a table was reported when read, and is replaced
+            table.update(entries)
+            _replace(path, json.dumps(table))
     except OSError:
         pass
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Holds an exclusive lock on `path`'s sidecar `.lock` file (without fcntl, on Windows: no lock, and of two
+    processes writing at once the last one's table wins)."""
+    if fcntl is None:
+        yield
+        return
+    with open(path.with_name(path.name + ".lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file is closed, or when the process dies
+        yield
+
+
+def _replace(path: Path, text: str) -> None:
+    """Write `text` to a temporary file beside `path`, then move it over `path`; the temporary file is removed
+    whatever fails (a full disk, an interrupt)."""
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):  # gone already once replaced
+            tmp.unlink()
 
 
 @functools.cache

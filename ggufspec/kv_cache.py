@@ -46,20 +46,25 @@ def default_v_type() -> str:
 
 
 def _read_or_measure(path: Path) -> str:
-    from .costs import machine, read_table, write_table
+    from .costs import machine, read_entry, write_table
     from .decoder import default_threads
 
     key = json.dumps([machine(), default_threads(), _CELLS])
-    table = read_table(path)
-    if table.get(key) in V_TYPES:
-        return table[key]
+    choice = read_entry(path, key, check_v_type)
+    if choice is not None:
+        return choice
     try:
         times = measure()
     except GGUFSpecError:
         return "q8_0"  # llama.cpp could not build the probe's contexts here: keep the smaller cache, measure next run
-    table[key] = choice = "f16" if times["f16"] < F16_WINS * times["q8_0"] else "q8_0"
-    write_table(path, table)
+    choice = "f16" if times["f16"] < F16_WINS * times["q8_0"] else "q8_0"
+    write_table(path, {key: choice})
     return choice
+
+
+def check_v_type(value: object) -> str | None:
+    """What is wrong with a cached choice, or None when it is one of V_TYPES."""
+    return None if value in V_TYPES else f"expected one of {', '.join(V_TYPES)}"
 
 
 def measure(repeats: int = 7) -> dict[str, float]:

@@ -53,3 +53,26 @@ def test_a_probe_llama_cpp_cannot_run_keeps_q8_0_and_is_tried_again(fresh_choice
     monkeypatch.setattr(kv_cache, "measure", fail)
     assert kv_cache.default_v_type() == "q8_0"
     assert not fresh_choice.exists()
+
+
+@pytest.mark.parametrize("bad", [None, "f32", 8, ["f16"], {"v": "f16"}])
+def test_a_bad_cached_choice_is_measured_again_and_written_over(fresh_choice, monkeypatch, capsys, bad) -> None:
+    monkeypatch.setattr(kv_cache, "measure", lambda: {"q8_0": 1.0, "f16": 2.0})
+    assert kv_cache.default_v_type() == "q8_0"
+    [key] = json.loads(fresh_choice.read_text())
+    fresh_choice.write_text(json.dumps({key: bad}))
+    kv_cache._chosen.pop(fresh_choice)  # as a new process would
+    monkeypatch.setattr(kv_cache, "measure", lambda: {"q8_0": 1.0, "f16": 0.5})
+    capsys.readouterr()
+    assert kv_cache.default_v_type() == "f16"
+    assert capsys.readouterr().err == (f"ggufspec: ignoring a bad entry in {fresh_choice} "
+                                       "(expected one of q8_0, f16); measuring again\n")
+    assert json.loads(fresh_choice.read_text()) == {key: "f16"}
+
+
+def test_a_choice_file_that_is_not_a_table_is_measured_again(fresh_choice, monkeypatch, capsys) -> None:
+    fresh_choice.write_text("q8_0")
+    monkeypatch.setattr(kv_cache, "measure", lambda: {"q8_0": 1.0, "f16": 0.5})
+    assert kv_cache.default_v_type() == "f16"
+    assert capsys.readouterr().err == f"ggufspec: ignoring {fresh_choice} (not JSON); measuring again\n"
+    assert list(json.loads(fresh_choice.read_text()).values()) == ["f16"]

@@ -1,0 +1,214 @@
+"""The measurement caches (costs.json, kv_cache.json): what they hold is checked on read and a bad entry or file is
+measured again with a notice; writers at once merge their entries; a failed write leaves no temporary file."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import asdict
+
+import pytest
+
+import ggufspec.costs as costs_module
+from ggufspec.costs import check_costs, measure
+
+from conftest import open_decoder
+
+K_MAX = 2
+
+
+@pytest.fixture
+def measured(tmp_path, monkeypatch) -> list[int]:
+    """costs.json in tmp_path; the k_max of every measurement cached_measure takes (real ones, each reported quiet so
+    that it is cached however busy this machine is)."""
+    calls: list[int] = []
+
+    def quiet(target, draft, k_max):
+        calls.append(k_max)
+        return measure(target, draft, k_max)[0], 1.0
+
+    monkeypatch.setenv("GGUFSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(costs_module, "measure", quiet)
+    return calls
+
+
+@pytest.fixture(scope="module")
+def decoders(tiny_target, tiny_draft):
+    with open_decoder(tiny_target) as t, open_decoder(tiny_draft) as d:
+        yield t, d
+
+
+def nan(good: dict) -> dict:
+    """A good entry with NaN for its first time (json writes and reads NaN)."""
+    return {**good, "verify": [float("nan"), *good["verify"][1:]]}
+
+
+# what a costs.json entry may hold instead of a cost model, and the reason the notice gives
+BAD_ENTRIES: dict[str, tuple[Callable[[dict], object], str]] = {
+    "null": (lambda good: None, "expected an object, found null"),
+    "empty object": (lambda good: {}, "verify: expected 3 positive numbers"),
+    "no verify times": (lambda good: {**good, "verify": []}, "verify: expected 3 positive numbers"),
+    "a string": (lambda good: "fast", "expected an object, found a string"),
+    "verify as strings": (lambda good: {**good, "verify": ["0.1"] * 3}, "verify: expected 3 positive numbers"),
+    "zeros": (lambda good: {**good, "verify": [0.0] * 3, "draft": 0.0}, "verify: expected 3 positive numbers"),
+    "NaN": (nan, "verify: expected 3 positive numbers"),
+    "one time short": (lambda good: {**good, "verify": good["verify"][:2]}, "verify: expected 3 positive numbers"),
+    "negative draft": (lambda good: {**good, "draft": -1.0}, "draft: expected a number >= 0"),
+    "infinite draft": (lambda good: {**good, "draft": float("inf")}, "draft: expected a number >= 0"),
+    "no draft": (lambda good: {"verify": good["verify"]}, "draft: expected a number >= 0"),
+    "unknown field": (lambda good: {**good, "faster": True}, "unknown fields: faster"),
+    "long sizes unsorted": (lambda good: {**good, "long_sizes": [32, 16], "long_verify": [0.2, 0.1]},
+                            "long_sizes: expected the first sizes of [16, 32, 64]"),
+    "long times missing": (lambda good: {**good, "long_verify": good["long_verify"][:-1]},
+                           "long_verify: expected 3 positive numbers, one per long size"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_ENTRIES)
+def test_a_bad_cost_entry_is_measured_again_and_written_over(decoders, measured, capsys, name) -> None:
+    bad, why = BAD_ENTRIES[name]
+    path = costs_module.costs_path()
+    costs_module.cached_measure(*decoders, K_MAX)
+    [(key, good)] = json.loads(path.read_text()).items()
+    assert good["long_sizes"] == [16, 32, 64], "the tiny target's context holds every long batch"
+    path.write_text(json.dumps({key: bad(good)}))
+    capsys.readouterr()
+
+    again = costs_module.cached_measure(*decoders, K_MAX)
+    assert len(measured) == 2 and len(again.verify) == K_MAX + 1  # measured anew
+    assert capsys.readouterr().err == f"ggufspec: ignoring a bad entry in {path} ({why}); measuring again\n"
+    assert json.loads(path.read_text()) == {key: asdict(again)}  # written over
+    assert costs_module.cached_measure(*decoders, K_MAX) == again and len(measured) == 2  # and read back
+    assert capsys.readouterr().err == ""
+
+
+def test_a_measured_entry_passes_the_check(decoders, measured) -> None:
+    for k_max in (1, 3):
+        costs_module.cached_measure(decoders[0], None, k_max)
+    entries = json.loads(costs_module.costs_path().read_text()).values()
+    assert [check_costs(e, len(e["verify"]) - 1) for e in entries] == [None, None]
+
+
+NOT_TABLES = [(b"{", "not JSON"), (b"", "not JSON"), (b"\xff\xfe", "not JSON"), (b"[" * 100_000, "not JSON"),
+              (b"[1, 2]", "expected a JSON object, found an array"), (b"null", "expected a JSON object, found null")]
+
+
+@pytest.mark.parametrize("content,why", NOT_TABLES, ids=["truncated", "empty", "binary", "deep", "array", "null"])
+def test_a_cost_file_that_is_not_a_table_is_measured_again(decoders, measured, capsys, content, why) -> None:
+    path = costs_module.costs_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(content)
+    model = costs_module.cached_measure(*decoders, K_MAX)
+    assert capsys.readouterr().err == f"ggufspec: ignoring {path} ({why}); measuring again\n"
+    assert list(json.loads(path.read_text()).values()) == [asdict(model)]
+
+
+def test_a_run_with_bad_cache_files_goes_on_and_says_so(tiny_target, tiny_draft, tmp_path) -> None:
+    """The CLI end to end: `generate -d` measures costs (and the V cache type) afresh instead of failing."""
+    (tmp_path / "costs.json").write_text('{"truncated": ')
+    (tmp_path / "kv_cache.json").write_text('"f16"')
+    env = dict(os.environ, GGUFSPEC_CACHE=str(tmp_path))
+    args = ["generate", "-m", str(tiny_target), "-d", str(tiny_draft), "Hello", "-n", "4", "-c", "256", "--json"]
+    r = subprocess.run([sys.executable, "-m", "ggufspec.cli", *args], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert f"ggufspec: ignoring {tmp_path / 'costs.json'} (not JSON); measuring again" in r.stderr
+    assert f"ggufspec: ignoring {tmp_path / 'kv_cache.json'} (expected a JSON object, found a string)" in r.stderr
+    assert json.loads(r.stdout)["tokens"]
+    assert list(json.loads((tmp_path / "kv_cache.json").read_text()).values())[0] in ("q8_0", "f16")
+
+
+# --- writers at once --------------------------------------------------------------------------
+
+def test_two_measurements_at_once_keep_both_entries(tiny_target, tmp_path, monkeypatch) -> None:
+    """Both threads read the (empty) table before either writes: each write must merge, not replace."""
+    both_measured = threading.Barrier(2)
+
+    def measure_then_wait(target, draft, k_max):
+        model = measure(target, draft, k_max)[0]
+        both_measured.wait(timeout=300)
+        return model, 1.0
+
+    monkeypatch.setenv("GGUFSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(costs_module, "measure", measure_then_wait)
+    models, errors = {}, []
+
+    def run(k_max: int) -> None:
+        try:
+            with open_decoder(tiny_target) as t:
+                models[k_max] = costs_module.cached_measure(t, None, k_max)
+        except BaseException as e:  # noqa: BLE001 - reported by the test below
+            errors.append(e)
+            both_measured.abort()
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    table = json.loads(costs_module.costs_path().read_text())
+    assert sorted(json.loads(key)[2] for key in table) == [1, 2]
+    assert sorted(table.values(), key=lambda e: len(e["verify"])) == [asdict(models[1]), asdict(models[2])]
+
+
+WRITER = """
+import sys
+from pathlib import Path
+from ggufspec.costs import write_table
+path, name, n = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+print("ready", flush=True)
+sys.stdin.readline()  # the go, once every writer is ready
+for i in range(n):
+    write_table(path, {f"{name}{i}": i})
+"""
+
+
+def test_processes_writing_at_once_lose_no_entry(tmp_path) -> None:
+    path, n = tmp_path / "costs.json", 100
+    writers = [subprocess.Popen([sys.executable, "-c", WRITER, str(path), name, str(n)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True) for name in ("a", "b")]
+    try:
+        assert [w.stdout.readline() for w in writers] == ["ready\n"] * 2
+        for w in writers:
+            w.stdin.write("go\n")
+            w.stdin.flush()
+        assert [w.wait(timeout=300) for w in writers] == [0, 0]
+    finally:
+        for w in writers:
+            w.kill()
+            w.communicate()
+    assert json.loads(path.read_text()) == {f"{name}{i}": i for name in ("a", "b") for i in range(n)}
+
+
+# --- failed writes ----------------------------------------------------------------------------
+
+def test_a_failed_replace_leaves_no_temporary_file(tmp_path) -> None:
+    path = tmp_path / "costs.json"
+    path.mkdir()  # os.replace cannot put a file there
+    costs_module.write_table(path, {"key": [1.0]})  # silently: only a re-measurement next time
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["costs.json", "costs.json.lock"]
+
+
+FULL_DISK = """
+import resource, signal, sys
+from pathlib import Path
+from ggufspec.costs import write_table
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG) instead of killing
+resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64))  # as a disk that fills up mid-write
+write_table(Path(sys.argv[1]), {"new": "x" * 10_000})
+"""
+
+
+def test_a_write_cut_short_leaves_no_temporary_file_and_the_old_table(tmp_path) -> None:
+    pytest.importorskip("resource")
+    path = tmp_path / "costs.json"
+    path.write_text('{"old": 1}')
+    r = subprocess.run([sys.executable, "-c", FULL_DISK, str(path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stderr == ""
+    assert path.read_text() == '{"old": 1}'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["costs.json", "costs.json.lock"]
