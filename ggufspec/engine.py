@@ -13,7 +13,7 @@ from typing import Literal
 
 import numpy as np
 
-from .chat import Message, chat_tokens
+from .chat import Message, chat_tokens, prestart
 from .costs import CostModel, cached_measure
 from .decoder import DecoderOptions, LlamaCppDecoder
 from .drafters import AutoDrafter, LookupDrafter, ModelDrafter, prefill
@@ -44,7 +44,7 @@ class GenerationSettings:
     method: str | None = None  # a name in methods.METHODS
     draft_max: int = 4
     draft_p_min: float = 0.0
-    seed: int | None = None
+    seed: int | None = None  # None or negative: a random seed (llama-server's -1)
     stop: tuple[str, ...] = ()
     stop_tokens: tuple[int, ...] = ()
     truncate_prompt: bool = False
@@ -59,6 +59,8 @@ class GenerationSettings:
             raise ValueError(f"draft_max must be >= 1, got {self.draft_max}")
         if not 0 <= self.draft_p_min <= 1:
             raise ValueError(f"draft_p_min must be in [0, 1], got {self.draft_p_min}")
+        if self.seed is not None and self.seed < 0:
+            self.seed = None
         if self.method is not None and self.method not in METHODS:
             raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
 
@@ -124,6 +126,8 @@ class SpeculativeEngine:
             options = medusa_decoder_options(options)
         paths = [Path(p).expanduser() for p in (target_path, draft_path) if p is not None]
         headers = [read_header(p) for p in paths]
+        if headers[0].metadata.get("tokenizer.chat_template"):
+            prestart()  # the template's renderer process starts while the models load
         if options.memory_check and options.n_gpu_layers == 0:
             extra = heads_memory(medusa_path, headers[0], medusa_vocab) if medusa_path is not None else []
             check_memory(list(zip(paths, headers)), options.n_ctx, options.cache_type, options.cache_type_v, extra)
@@ -157,21 +161,27 @@ class SpeculativeEngine:
     def has_chat_template(self) -> bool:
         return bool(self.target.metadata("tokenizer.chat_template"))
 
-    def encode(self, prompt: Prompt) -> list[int]:
-        """Token ids of a plain prompt, or of chat messages rendered with the GGUF's chat template."""
+    def encode(self, prompt: Prompt, n_ctx: int | None = None, cancelled: Callable[[], bool] | None = None) -> list[int]:
+        """Token ids of a plain prompt, or of chat messages rendered with the GGUF's chat template.
+
+        With `n_ctx`, a prompt that cannot leave room for one token in that context raises ContextLengthError before
+        the expensive steps where its size proves it (too many messages, too many bytes), else after tokenizing. A
+        chat rendering polls `cancelled` and raises errors.Cancelled when it turns true."""
         vocab = self.target.vocab
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             bad = [t for t in prompt if not 0 <= t < self.target.n_vocab]
             if bad:
                 raise GGUFSpecError(f"token id {bad[0]} is outside this model's vocabulary of {self.target.n_vocab}.")
+            if n_ctx is not None and len(prompt) >= n_ctx:
+                raise ContextLengthError.prompt(len(prompt), n_ctx)
             return list(prompt)
         if isinstance(prompt, str):
             if not prompt:
                 raise GGUFSpecError("the prompt is empty.")
-            return vocab.tokenize(prompt, add_special=True, parse_special=True)
+            return vocab.encode(prompt, add_special=True, n_ctx=n_ctx)
         if not prompt:
             raise GGUFSpecError("no chat messages given.")
-        return chat_tokens(vocab, self.target.metadata("tokenizer.chat_template"), prompt)
+        return chat_tokens(vocab, self.target.metadata("tokenizer.chat_template"), prompt, n_ctx, cancelled)
 
     # --- generation -----------------------------------------------------------------------
 
@@ -201,7 +211,12 @@ class SpeculativeEngine:
     def _run(self, prompt: Prompt, s: GenerationSettings) -> Iterator[GenerationResponse]:
         method = self.method_for(s)
         draft = self.draft if method.uses_draft else None  # other methods leave its context as it is
-        tokens, limit = self._fit(self.encode(prompt), s, draft)
+        n_ctx = None if s.truncate_prompt else self._n_ctx(draft)
+        try:
+            tokens = self.encode(prompt, n_ctx)
+        except ContextLengthError as e:
+            raise ContextLengthError(f"{e}, or allow --truncate-prompt") from None
+        tokens, limit = self._fit(tokens, s, draft)
         run = self._prepare(method, s, tokens[-1], limit, draft)  # before the prefill: see auto_drafter
         meter = _Meter(self.target, draft, Stats(prompt_tokens=len(tokens), method=method.name))
         out: list[int] = []
@@ -236,9 +251,12 @@ class SpeculativeEngine:
             if not finished:  # stopped early: by the caller, Ctrl-C or an error
                 self.last_result = GenerationResult(text.text, out, "interrupted", meter.finish(len(out)))
 
+    def _n_ctx(self, draft: LlamaCppDecoder | None) -> int:
+        return min(self.target.n_ctx, draft.n_ctx) if draft is not None else self.target.n_ctx
+
     def _fit(self, tokens: list[int], s: GenerationSettings, draft: LlamaCppDecoder | None) -> tuple[list[int], int]:
         """The prompt cut to the context (when allowed) and the most tokens to generate after it."""
-        n_ctx = min(self.target.n_ctx, draft.n_ctx) if draft is not None else self.target.n_ctx
+        n_ctx = self._n_ctx(draft)
         if len(tokens) >= n_ctx:
             if not s.truncate_prompt:
                 raise ContextLengthError(

@@ -18,6 +18,16 @@ class PairingError(GGUFSpecError):
 class ContextLengthError(GGUFSpecError):
     """A prompt does not fit the context window."""
 
+    @classmethod
+    def prompt(cls, n_tokens: int, n_ctx: int, at_least: bool = False) -> ContextLengthError:
+        """A prompt of `n_tokens` tokens (`at_least`: a bound from its length, before tokenizing) for `n_ctx`."""
+        return cls(f"the prompt has {'at least ' if at_least else ''}{n_tokens} tokens and the context holds "
+                   f"{n_ctx}: shorten the prompt or raise --n-ctx")
+
 
 class ConversionError(GGUFSpecError):
     """A checkpoint cannot be converted or quantized."""
+
+
+class Cancelled(GGUFSpecError):
+    """Work stopped because whoever asked for it went away (a server request whose client disconnected)."""

@@ -7,6 +7,8 @@ from functools import cached_property
 
 import llama_cpp
 
+from .errors import ContextLengthError, GGUFSpecError
+
 
 class Vocab:
     """llama.cpp's tokenizer for one loaded model; tokenize honours the GGUF's add_bos/add_eos settings."""
@@ -18,6 +20,11 @@ class Vocab:
         self.eos: int = llama_cpp.llama_vocab_eos(self._vocab)
         self.eot: int = llama_cpp.llama_vocab_eot(self._vocab)
         self.add_bos: bool = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))  # pairing compares it
+        # BPE and SentencePiece tokens spell the text back whole (SentencePiece even adds a space); WordPiece and
+        # Unigram tokenizers may drop whitespace or accents, so a text's length bounds their token count from below
+        # only for the first two
+        self.pieces_cover_text = llama_cpp.llama_vocab_type(self._vocab) in (llama_cpp.LLAMA_VOCAB_TYPE_SPM,
+                                                                             llama_cpp.LLAMA_VOCAB_TYPE_BPE)
         self._buf = ctypes.create_string_buffer(256)
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
@@ -31,6 +38,31 @@ class Vocab:
             out = (llama_cpp.llama_token * n_max)()
             n = llama_cpp.llama_tokenize(self._vocab, data, len(data), out, n_max, add_special, parse_special)
         return list(out[:n])
+
+    def encode(self, text: str, add_special: bool = True, n_ctx: int | None = None) -> list[int]:
+        """tokenize(text) with special tokens parsed, for a prompt. With `n_ctx`, a text that cannot leave room for
+        one token in it raises ContextLengthError, without tokenizing when its length in bytes already proves it
+        (llama.cpp's tokenizer takes ~100 bytes of memory per byte of a long word, and seconds per megabyte)."""
+        try:
+            data_len = len(text.encode("utf-8"))
+        except UnicodeEncodeError:
+            raise GGUFSpecError("the prompt is not valid Unicode (it holds an unpaired surrogate)") from None
+        if n_ctx is not None and data_len >= n_ctx and self.pieces_cover_text:  # a shorter text is cheap to tokenize
+            at_least = -(-data_len // self.max_piece_bytes)
+            if at_least >= n_ctx:
+                raise ContextLengthError.prompt(at_least, n_ctx, at_least=True)
+        tokens = self.tokenize(text, add_special=add_special, parse_special=True)
+        if not tokens:
+            raise GGUFSpecError("the prompt has no tokens.")
+        if n_ctx is not None and len(tokens) >= n_ctx:
+            raise ContextLengthError.prompt(len(tokens), n_ctx)
+        return tokens
+
+    @cached_property
+    def max_piece_bytes(self) -> int:
+        """The most bytes of text one token stands for (special tokens included): a text of n bytes holds at least
+        n / max_piece_bytes tokens. One pass over the vocabulary (~80 ms for 49k tokens)."""
+        return max(1, max(len(self.piece(t, special=True)) for t in range(self.n_tokens)))
 
     def piece(self, token: int, special: bool = False) -> bytes:
         """The bytes token `token` stands for; special tokens render as text only when `special`."""

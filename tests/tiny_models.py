@@ -58,9 +58,10 @@ def random_weights(cfg: TinyConfig, n_vocab: int, seed: int) -> dict[str, np.nda
 
 def write_tiny_gguf(
     path: Path, tokenizer: list[gguf.ReaderField], weights: dict[str, np.ndarray], cfg: TinyConfig,
-    name: str = "tiny",
+    name: str = "tiny", chat_template: str | None = None,
 ) -> Path:
-    """Write a loadable llama GGUF with these weights and the copied tokenizer fields."""
+    """Write a loadable llama GGUF with these weights and the copied tokenizer fields (`chat_template`: this one
+    instead of the copied one)."""
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name(name)
     w.add_context_length(cfg.n_ctx)
@@ -72,6 +73,9 @@ def write_tiny_gguf(
     w.add_rope_dimension_count(cfg.n_embd // cfg.n_head)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    if chat_template is not None:
+        tokenizer = [f for f in tokenizer if f.name != "tokenizer.chat_template"]
+        w.add_chat_template(chat_template)
     for f in tokenizer:
         vtype = f.types[0]
         sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
