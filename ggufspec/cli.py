@@ -235,6 +235,23 @@ def chat(system, colour, show_stats, **params) -> None:
         run_chat(engine, settings, system, use_colour(colour, sys.stdout), show_stats)
 
 
+class ByteSize(click.ParamType):
+    """A size in bytes: 1048576, 512k, 8M, 1G (powers of 1024)."""
+
+    name = "size"
+    _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+
+    def convert(self, value, param, ctx) -> int:
+        if isinstance(value, int):
+            return value
+        text = str(value).strip().lower().removesuffix("b").removesuffix("i")
+        unit = text[-1:] if text[-1:] in self._UNITS else ""
+        number = text[: len(text) - len(unit)]
+        if not number.isdigit() or int(number) < 1:
+            self.fail(f"{value!r} is not a size: give bytes, or a number with k, M or G", param, ctx)
+        return int(number) * self._UNITS[unit]
+
+
 @main.command()
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True, help="Port (0: any free one).")
@@ -243,21 +260,35 @@ def chat(system, colour, show_stats, **params) -> None:
 @click.option("--queue", type=click.IntRange(min=0), default=16, show_default=True,
               help="Requests that may wait while one runs; more get HTTP 429.")
 @click.option("--alias", default=None, help="Model name to report and accept (default: the target's file name).")
+@click.option("--max-body", type=ByteSize(), default=None,
+              help="Largest request body (413 past it), e.g. 4M (default: 1 MiB plus 64 bytes per token of --n-ctx).")
+@click.option("--timeout", type=click.FloatRange(min=0.1), default=60.0, show_default=True,
+              help="Seconds a client has to send a request, and to take each chunk of its answer.")
+@click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="NAME",
+              help="Also accept requests whose Host header is NAME (repeatable; '*': any). IP addresses, localhost "
+                   "and this machine's name always are; other names are refused against DNS rebinding.")
+@click.option("--cors-origin", "cors_origins", multiple=True, metavar="ORIGIN",
+              help="Let web pages at ORIGIN (e.g. http://localhost:3000) call the server (repeatable; '*': any). "
+                   "Default: none.")
 @generation_options(max_tokens=None, default_method="auto")
-def serve(host, port, api_key, queue, alias, **params) -> None:
+def serve(host, port, api_key, queue, alias, max_body, timeout, allowed_hosts, cors_origins, **params) -> None:
     """An OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /health.
 
     Each request may override sampling and speculation (`"speculative": {"method": "vanilla", "draft_max": 3}`).
     Needs the server extra: pip install 'ggufspec[server]'."""
     try:
-        from .server import serve as run_server
+        from .server import Limits, serve as run_server
+        from .server.boundary import default_max_body, default_max_connections
     except ImportError as e:
         raise GGUFSpecError(f"`ggufspec serve` needs the server extra ({e.name} is missing): "
                             "pip install 'ggufspec[server]'") from None
 
     engine, settings = load_engine(params, default_method="auto")
     with engine:
-        run_server(engine, settings, alias or engine.target.path.name, host, port, queue, api_key,
+        limits = Limits(max_body=max_body or default_max_body(engine.n_ctx), timeout=timeout,
+                        max_connections=default_max_connections(), allowed_hosts=frozenset(allowed_hosts),
+                        cors_origins=tuple(cors_origins))
+        run_server(engine, settings, alias or engine.target.path.name, host, port, queue, api_key, limits,
                    lambda line: click.echo(line, err=True))
 
 

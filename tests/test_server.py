@@ -22,9 +22,9 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 class Server:
     """A `ggufspec serve` child process on a free loopback port."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, **popen) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "ggufspec.cli", "serve", "--port", "0", *args],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
         line = self.proc.stderr.readline()
         m = re.search(r"http://127\.0\.0\.1:(\d+)/v1", line)
         if not m:
@@ -190,9 +190,13 @@ def test_api_key(smollm2_path) -> None:
     s = Server("-m", str(smollm2_path), "-c", "512", "--api-key", "sekret")
     try:
         assert s.request("GET", "/health")[0] == 200  # open, as in llama-server
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}, {"Authorization": "Basic sekret"}):
             code, _, out = s.request("GET", "/v1/models", headers=headers)
             assert code == 401 and out["error"]["code"] == "invalid_api_key"
+        for scheme in ("Bearer", "bearer", "BEARER"):  # the scheme is case-insensitive (RFC 9110)
+            assert s.request("GET", "/v1/models", headers={"Authorization": f"{scheme} sekret"})[0] == 200
+        assert s.request("GET", "/openapi.json")[0] == 401  # the API's description is behind the key too
+        assert s.request("GET", "/openapi.json", headers={"Authorization": "Bearer sekret"})[0] == 200
         ok = openai.OpenAI(base_url=s.url, api_key="sekret", max_retries=0)
         assert ok.completions.create(model="SmolLM2-135M-Instruct.Q4_1.gguf", prompt="Hi", max_tokens=2).usage
         with pytest.raises(openai.AuthenticationError):

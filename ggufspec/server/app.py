@@ -1,0 +1,248 @@
+"""The FastAPI app: OpenAI's endpoints as a thin layer over the engine's worker, behind the boundary's checks."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
+from starlette.types import Receive
+
+from ..engine import GenerationResponse, GenerationSettings, Prompt
+from ..errors import Cancelled, ContextLengthError, GGUFSpecError
+from ..sampling import SamplingParams
+from .api import (CHAT, FINISH_REASONS, TEXT, UNSUPPORTED, APIError, ChatRequest, CommonRequest, CompletionRequest,
+                  Shape, Speculative, timings, usage)
+from .boundary import Boundary, Limits, log, read_json
+from .worker import STALL_SECONDS, Admitted, Job, Worker
+
+
+def create_app(worker: Worker, settings: GenerationSettings, model_id: str, limits: Limits,
+               api_key: str | None = None) -> Boundary:
+    """The ASGI app serving the worker's engine, behind the boundary (and CORS when origins are allowed);
+    `settings` are the defaults each request may override."""
+    engine = worker.engine
+    app = FastAPI(title="ggufspec", docs_url=None, redoc_url=None, openapi_url=None)
+    created = int(time.time())
+    names = {model_id, engine.target.path.name, engine.target.path.stem, str(engine.target.path)}
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return e.response()
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, e: HTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        return APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", code=code).response()
+
+    def authorized(request: Request) -> None:
+        """With --api-key, /v1, /slots and /openapi.json want `Authorization: Bearer KEY` (the scheme in any case,
+        RFC 9110); /health stays open, as in llama-server."""
+        if not api_key:
+            return
+        scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
+            raise APIError(401, "invalid or missing API key: send Authorization: Bearer KEY", code="invalid_api_key")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorized)])
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        stalled = worker.stalled_for()
+        if stalled > STALL_SECONDS:
+            return JSONResponse({"status": "error", "error": f"the engine has made no progress for {stalled:.0f} s"},
+                                status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/openapi.json", dependencies=[Depends(authorized)], include_in_schema=False)
+    async def openapi() -> dict[str, Any]:
+        return app.openapi()
+
+    @app.get("/slots", dependencies=[Depends(authorized)])
+    async def slots() -> list[dict[str, Any]]:
+        """The one engine's state, after llama-server's /slots; plus the queue and what became of past requests."""
+        return [{"id": 0, "is_processing": worker.running is not None, "state": worker.phase,
+                 "n_decoded": worker.n_decoded, "n_queued": max(0, worker.active - (worker.running is not None)),
+                 "n_completed": worker.n_completed, "n_cancelled": worker.n_cancelled}]
+
+    @v1.get("/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created, "owned_by": "ggufspec",
+                                            "meta": {"target": str(engine.target.path), "n_ctx": engine.n_ctx,
+                                                     "draft": str(engine.draft.path) if engine.draft else None,
+                                                     "medusa": engine.medusa is not None}}]}
+
+    def request_settings(body: CommonRequest, max_tokens: int | None) -> GenerationSettings:
+        if body.model not in (None, "") and body.model not in names:
+            raise APIError(404, f"the model {body.model!r} does not exist: this server serves {model_id!r}",
+                           param="model", code="model_not_found")
+        for name, refused in UNSUPPORTED:
+            if refused(body):
+                raise APIError(400, f"{name}: not supported by ggufspec (it would change the output, and ggufspec "
+                                    "does not implement it)", param=name, code="unsupported_parameter")
+        stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
+        if len(stops) > 16:
+            raise APIError(400, "stop: at most 16 stop strings", param="stop")
+        d, sp = settings, settings.sampling
+        spec = body.speculative or Speculative()
+        try:
+            sampling = SamplingParams(
+                temperature=sp.temperature if body.temperature is None else body.temperature,
+                top_k=sp.top_k if body.top_k is None else body.top_k,
+                top_p=sp.top_p if body.top_p is None else body.top_p,
+                min_p=sp.min_p if body.min_p is None else body.min_p,
+            )
+            s = replace(d, max_tokens=max_tokens or d.max_tokens, sampling=sampling,
+                        seed=d.seed if body.seed is None else body.seed, stop=tuple(stops),
+                        method=spec.method or d.method, draft_max=spec.draft_max or d.draft_max,
+                        draft_p_min=d.draft_p_min if spec.draft_p_min is None else spec.draft_p_min)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        try:
+            engine.method_for(s)
+        except GGUFSpecError as e:
+            raise APIError(400, str(e), param="speculative") from None
+        return s
+
+    async def respond(request: Request, shape: Shape, body: CommonRequest, prompt: Prompt, max_tokens: int | None,
+                      param: str):
+        job = worker.submit(prompt, request_settings(body, max_tokens))
+        watch = asyncio.create_task(_cancel_on_disconnect(request.receive, job))
+        streaming = False
+        try:
+            first = await job.events.get()  # the prompt rendered, tokenized and found to fit, or why not
+            if first is None:  # the client left while the job waited or rendered
+                return JSONResponse({}, status_code=499)
+            if isinstance(first, Exception):
+                raise as_api_error(first, param)
+            assert isinstance(first, Admitted)
+            ident = f"{shape.prefix}-{uuid.uuid4().hex[:24]}"
+            head = {"id": ident, "created": int(time.time()), "model": model_id}
+            if body.stream:
+                streaming = True  # from here the stream's own disconnect listener and `finally` stop the job
+                usage_chunk = bool(body.stream_options and body.stream_options.include_usage)
+                return StreamingResponse(sse(job, shape, head, usage_chunk), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            final = await collect(job, param)
+            if final is None:  # the client left; nobody reads this
+                return JSONResponse({}, status_code=499)
+            result = final.result
+            return {**head, "object": shape.object,
+                    "choices": [shape.choice(result.text, FINISH_REASONS[result.stop_reason], delta=False)],
+                    "usage": usage(result.stats), "timings": timings(result.stats)}
+        finally:
+            watch.cancel()
+            if not streaming:
+                job.cancelled.set()  # no-op after the end; stops the job if this handler was cancelled
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request):
+        body = parse(await read_json(request, limits.max_body), ChatRequest)
+        messages = [m.as_message() for m in body.messages]
+        return await respond(request, CHAT, body, messages, body.max_completion_tokens or body.max_tokens, "messages")
+
+    @v1.post("/completions")
+    async def completions(request: Request):
+        body = parse(await read_json(request, limits.max_body), CompletionRequest)
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise APIError(400, "prompt: one prompt per request (a list of several is not supported)", param="prompt")
+            prompt = prompt[0]
+        if not prompt:
+            raise APIError(400, "prompt: empty", param="prompt")
+        return await respond(request, TEXT, body, prompt, body.max_tokens, "prompt")
+
+    app.include_router(v1)
+    inner = app if not limits.cors_origins else CORSMiddleware(
+        app, allow_origins=list(limits.cors_origins), allow_methods=["GET", "POST"],
+        allow_headers=["Authorization", "Content-Type"])
+    return Boundary(inner, limits)
+
+
+def parse(data: Any, model: type[BaseModel]) -> Any:
+    """The parsed JSON body as `model`, or a 400 naming the first problem."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = ".".join(str(x) for x in err["loc"]) or None
+        raise APIError(400, f"{param}: {err['msg']}" if param else err["msg"], param=param) from None
+
+
+async def _cancel_on_disconnect(receive: Receive, job: Job) -> None:
+    """Cancel `job` the moment its client disconnects (the body is read: the next message is the disconnect)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    job.cancelled.set()
+
+
+async def collect(job: Job, param: str) -> GenerationResponse | None:
+    """The job's final response; None when it ended without one (its client left)."""
+    while True:
+        item = await job.events.get()
+        if item is None:
+            return None
+        if isinstance(item, Exception):
+            raise as_api_error(item, param)
+        if isinstance(item, GenerationResponse) and item.finish_reason is not None:
+            return item
+
+
+def as_api_error(e: Exception, param: str | None = None) -> APIError:
+    """What a job's error is answered with: the request's fault (4xx), or a server error with an id, logged once."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, ContextLengthError):
+        return APIError(400, str(e), param=param, code="context_length_exceeded")
+    if isinstance(e, Cancelled):
+        return APIError(499, str(e))
+    if isinstance(e, GGUFSpecError):
+        return APIError(400, str(e), param=param)
+    ident = uuid.uuid4().hex[:12]
+    log.error("request %s failed in the engine: %s", ident, e, exc_info=e)
+    return APIError(500, f"internal error (request {ident}; the server log has the details)", code="internal_error",
+                    kind="server_error", headers={"X-Request-Id": ident})
+
+
+async def sse(job: Job, shape: Shape, head: dict[str, Any], usage_chunk: bool) -> AsyncIterator[str]:
+    """Server-sent events: chunks, the final chunk with finish_reason and timings, usage if asked, [DONE]. Starlette
+    cancels this generator when the client disconnects; `finally` then stops the job."""
+
+    def event(obj: dict[str, Any]) -> str:
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+        return event({**head, "object": shape.chunk_object, "choices": choices, **extra})
+
+    try:
+        if shape is CHAT:
+            yield chunk([shape.choice(None, None, delta=True, first=True)])
+        while True:
+            item = await job.events.get()
+            if isinstance(item, Exception):
+                yield event(as_api_error(item).body())
+                break
+            if item is None:
+                break
+            if item.text:
+                yield chunk([shape.choice(item.text, None, delta=True)])
+            if item.finish_reason is not None:
+                stats = item.result.stats
+                yield chunk([shape.choice(None, FINISH_REASONS[item.finish_reason], delta=True)], timings=timings(stats))
+                if usage_chunk:
+                    yield chunk([], usage=usage(stats))
+                break
+        yield "data: [DONE]\n\n"
+    finally:
+        job.cancelled.set()

@@ -1,0 +1,301 @@
+"""The server's edge: what every connection and request must satisfy before any real work is done for it.
+
+- **Browsers.** A web page the user visits can send requests to a server on the user's machine. Three rules keep it
+  out (as Ollama's fix for DNS rebinding, and the CORS rules browsers follow): the `Host` header must name this
+  machine (an IP address, `localhost`, the host name, or an `--allowed-host`), so a page on a rebinding domain is
+  refused; a POST body must be `application/json`, which browsers send cross-origin only after a preflight that
+  this server does not grant; and a request from another `Origin` is refused unless `--cors-origin` allows it.
+- **Sizes.** A body larger than `--max-body` is refused with 413 from its `Content-Length`, before it is read, or as
+  soon as a chunked body grows past it; JSON nested deeper than Python's parser goes, or holding unpaired UTF-16
+  surrogates, is a 400.
+- **Connections.** A request's head and body must arrive within `--timeout` seconds of its first byte, and a
+  response that the client stops reading is dropped after as long; at most `max_connections` stay open (sized
+  under the process's file-descriptor limit), the oldest one that is not being answered closed to make room.
+- **Errors.** Anything a handler did not expect is answered as a 500 with a request id, logged once with that id.
+"""
+
+from __future__ import annotations
+
+import functools
+import ipaddress
+import json
+import logging
+import os
+import re
+import socket
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import h11
+from starlette.datastructures import Headers
+from starlette.requests import ClientDisconnect, Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from .api import APIError
+
+log = logging.getLogger("ggufspec.server")
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a JSON string may hold one only as half of a pair
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The server's bounds on clients (set from `ggufspec serve`'s options)."""
+
+    max_body: int  # bytes of a request body
+    timeout: float  # seconds for a request to arrive, and for a client to take a chunk of its response
+    max_connections: int  # open at once
+    allowed_hosts: frozenset[str] = frozenset()  # besides this machine's names; "*": any
+    cors_origins: tuple[str, ...] = ()  # origins a browser may call from; "*": any
+
+
+def default_max_body(n_ctx: int) -> int:
+    """1 MiB, plus 64 bytes per token of context: a prompt that fills the context, escaped as JSON, fits."""
+    return (1 << 20) + 64 * n_ctx
+
+
+# Connections the kernel may hold before the server accepts them. asyncio accepts up to this many at a time, before
+# the cap can close any (llama-server's HTTP library listens with 5).
+BACKLOG = 32
+
+
+def default_max_connections() -> int:
+    """Connections the process can hold open: its file-descriptor limit (raised to the hard limit where allowed),
+    less those already open, a margin for files and pipes, and room for the bursts asyncio accepts before the cap
+    closes connections (a few BACKLOGs): past the limit, accept() fails and the listening socket stalls."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+            want = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+                soft = want
+            except (ValueError, OSError):
+                pass
+    except ImportError:  # Windows: no descriptor limit of this kind
+        return 1024
+    try:
+        in_use = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        in_use = 64
+    return max(8, min(4096, soft - in_use - 32 - 3 * BACKLOG))
+
+
+# --- requests: hosts, origins, content types, sizes --------------------------------------------------------------
+
+def _host_name(host_header: str) -> str:
+    """The name in a Host header, without its port or an IPv6 address's brackets; lower case."""
+    host = host_header.strip().lower()
+    if host.startswith("["):
+        return host[1:host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        return False
+
+
+@functools.cache
+def _own_names() -> frozenset[str]:
+    name = socket.gethostname().lower()
+    return frozenset({"localhost", name, f"{name}.local"})
+
+
+def host_allowed(host_header: str | None, allowed: Iterable[str] = ()) -> bool:
+    """A Host header that names this machine: an IP address (a DNS rebinding attack needs a domain name),
+    localhost or a *.localhost name, this machine's host name, or one of `allowed` ("*" allows any)."""
+    if not host_header:
+        return True  # HTTP/1.0 without Host: no browser sends that
+    allowed = {a.lower() for a in allowed}
+    name = _host_name(host_header)
+    return ("*" in allowed or name in allowed or _is_ip(name) or name in _own_names()
+            or name.endswith(".localhost"))
+
+
+def origin_allowed(origin: str, host_header: str | None, cors_origins: Iterable[str]) -> bool:
+    """A request's Origin is this server itself, or an origin `--cors-origin` names ("*": any)."""
+    origins = set(cors_origins)
+    if "*" in origins or origin in origins:
+        return True
+    return bool(host_header) and origin.split("://", 1)[-1].lower() == host_header.strip().lower()
+
+
+def is_json(content_type: str | None) -> bool:
+    return (content_type or "").split(";", 1)[0].strip().lower() == "application/json"
+
+
+class Boundary:
+    """ASGI middleware, outside the app: the checks a request passes on its headers alone, and one place where an
+    unexpected error becomes a 500 with a request id (logged once) instead of a traceback per request."""
+
+    def __init__(self, app: ASGIApp, limits: Limits) -> None:
+        self.app, self.limits = app, limits
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        refusal = self.refusal(scope)
+        if refusal is not None:
+            return await refusal.response()(scope, receive, send)
+        started = False
+
+        async def send_marked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_marked)
+        except Exception as e:
+            ident = uuid.uuid4().hex[:12]
+            log.error("request %s (%s %s) failed: %s", ident, scope["method"], scope["path"], e, exc_info=e)
+            if not started:
+                err = APIError(500, f"internal error (request {ident}; the server log has the details)",
+                               code="internal_error", kind="server_error", headers={"X-Request-Id": ident})
+                await err.response()(scope, receive, send)
+
+    def refusal(self, scope: Scope) -> APIError | None:
+        """The error a request gets from its method and headers alone, if any."""
+        headers = Headers(scope=scope)
+        host = headers.get("host")
+        if not host_allowed(host, self.limits.allowed_hosts):
+            return APIError(403, f"Host {host!r} is not this machine: requests through other names are refused "
+                                 "(DNS rebinding); start the server with --allowed-host NAME to allow one",
+                            code="host_not_allowed")
+        origin = headers.get("origin")
+        if origin and not origin_allowed(origin, host, self.limits.cors_origins):
+            return APIError(403, f"requests from web pages at {origin} are refused: start the server with "
+                                 f"--cors-origin {origin} to allow them", code="origin_not_allowed")
+        if scope["method"] == "POST":
+            if not is_json(headers.get("content-type")):
+                return APIError(415, "the request body must be JSON, sent with Content-Type: application/json",
+                                code="unsupported_media_type")
+            length = headers.get("content-length")
+            if length is not None and (not length.isdigit() or int(length) > self.limits.max_body):
+                return too_large(self.limits.max_body)
+        return None
+
+
+def too_large(limit: int) -> APIError:
+    # Connection: close, so that the server does not read the rest of a body it refused.
+    return APIError(413, f"the request body is larger than this server takes ({limit} bytes; --max-body)",
+                    code="request_too_large", headers={"Connection": "close"})
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """The request's JSON body, read up to `limit` bytes (413 past it), parsed (400 if it is not JSON, nests too
+    deep, or holds an unpaired surrogate)."""
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large(limit)
+            chunks.append(chunk)
+    except ClientDisconnect:  # nobody reads the answer; uvicorn drops it
+        raise APIError(400, "the client disconnected before sending its whole body") from None
+    raw = b"".join(chunks)
+    if not raw.strip():
+        raise APIError(400, "the request needs a JSON body")
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON ({e})") from None
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply") from None
+    if _SURROGATE_ESCAPE.search(raw):  # a pair decodes to one character; an unpaired half stays and fails later
+        try:
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError(400, "the request body holds an unpaired UTF-16 surrogate (\\ud800-\\udfff), "
+                                "which is not text") from None
+    return data
+
+
+# --- connections -------------------------------------------------------------------------------------------
+
+class BoundedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with deadlines and a cap on open connections (see the module's docstring).
+
+    uvicorn closes idle keep-alive connections after a response; this adds what it lacks against slow or idle
+    clients: a deadline for each request's head and body, one for a stalled write, and the cap."""
+
+    def __init__(self, *args: Any, limits: Limits, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.limits = limits
+        self.opened = time.monotonic()
+        self._read_deadline = None  # TimerHandle while a request is arriving
+        self._write_deadline = None  # TimerHandle while the transport's buffer is full
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_read()
+        open_ = [c for c in self.connections if isinstance(c, BoundedH11Protocol) and not c.transport.is_closing()]
+        if len(open_) > self.limits.max_connections:
+            self._make_room(open_)
+
+    def data_received(self, data: bytes) -> None:
+        if self._read_deadline is None and self.conn.their_state in (h11.IDLE, h11.SEND_BODY):
+            self._arm_read()  # the first byte of a request that follows a keep-alive response
+        super().data_received(data)
+        if self.conn.their_state not in (h11.IDLE, h11.SEND_BODY):
+            self._disarm_read()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_read()
+        self._disarm_write()
+        super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_deadline is None:
+            self._write_deadline = self.loop.call_later(self.limits.timeout, self._drop)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._disarm_write()
+
+    def _arm_read(self) -> None:
+        self._disarm_read()
+        self._read_deadline = self.loop.call_later(self.limits.timeout, self._drop)
+
+    def _disarm_read(self) -> None:
+        if self._read_deadline is not None:
+            self._read_deadline.cancel()
+            self._read_deadline = None
+
+    def _disarm_write(self) -> None:
+        if self._write_deadline is not None:
+            self._write_deadline.cancel()
+            self._write_deadline = None
+
+    def _drop(self) -> None:
+        """Past a deadline: close the connection (a request being read or answered sees its client gone)."""
+        if not self.transport.is_closing():
+            self.transport.abort()
+
+    def serving(self) -> bool:
+        """A whole request has arrived and its response is not finished."""
+        return self.cycle is not None and not self.cycle.response_complete and self.conn.their_state is h11.DONE
+
+    def _make_room(self, open_: list[BoundedH11Protocol]) -> None:
+        """Over the cap: close the oldest open connection not being answered (idle, or still sending its request);
+        when every other one is being answered, refuse this one with a 503."""
+        idle = [c for c in open_ if c is not self and not c.serving()]
+        if idle:
+            min(idle, key=lambda c: c.opened)._drop()
+            return
+        body = b"too many connections are open; retry later"
+        self.transport.write(b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nRetry-After: 1\r\n"
+                             b"Content-Type: text/plain\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        self.transport.close()
