@@ -7,12 +7,14 @@ gives one clear error instead of a hang, a traceback or an exhausted machine; an
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import queue
 import subprocess
 import sys
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import TypedDict
@@ -57,9 +59,15 @@ class ChatRenderer:
 
     @staticmethod
     def _read(proc: subprocess.Popen, replies: queue.Queue) -> None:
-        for line in proc.stdout:
-            replies.put(json.loads(line))
-        replies.put(None)  # the child is gone
+        """The child's replies into `replies`, then None when it is gone (this thread owns and closes its stdout)."""
+        try:
+            for line in proc.stdout:
+                replies.put(json.loads(line))
+        except (OSError, ValueError):
+            pass
+        finally:
+            proc.stdout.close()
+            replies.put(None)
 
     def _send(self, obj: dict) -> None:
         try:
@@ -72,8 +80,8 @@ class ChatRenderer:
         if self._proc is not None:
             self._proc.kill()
             self._proc.wait()
-            for f in (self._proc.stdin, self._proc.stdout):
-                f.close()
+            with contextlib.suppress(OSError):
+                self._proc.stdin.close()
             self._proc = None
 
     def render(self, messages: list[Message], max_chars: int, cancelled: Callable[[], bool] | None = None) -> str:
@@ -104,16 +112,15 @@ class ChatRenderer:
     def _wait(self, ident: int, cancelled: Callable[[], bool] | None) -> dict | None:
         """The child's reply to request `ident`, None if the child died; kills the child on timeout, cancellation
         or an exception here (Ctrl-C), since its state is then unknown."""
-        waited, done = 0.0, False
+        deadline, done = time.monotonic() + self.seconds, False
         try:
             while True:
                 try:
                     reply = self._replies.get(timeout=0.05)
                 except queue.Empty:
-                    waited += 0.05
                     if cancelled is not None and cancelled():
                         raise Cancelled("the request was cancelled while its chat template rendered") from None
-                    if waited > self.seconds:
+                    if time.monotonic() > deadline:
                         raise GGUFSpecError(f"the model's chat template did not finish within {self.seconds:g} s "
                                             "(it may loop without end)") from None
                     continue
