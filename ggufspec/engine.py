@@ -215,7 +215,7 @@ class SpeculativeEngine:
         try:
             tokens = self.encode(prompt, n_ctx)
         except ContextLengthError as e:
-            raise ContextLengthError(f"{e}, or allow --truncate-prompt") from None
+            raise ContextLengthError(f"{e} (or allow --truncate-prompt)") from None
         tokens, limit = self._fit(tokens, s, draft)
         run = self._prepare(method, s, tokens[-1], limit, draft)  # before the prefill: see auto_drafter
         meter = _Meter(self.target, draft, Stats(prompt_tokens=len(tokens), method=method.name))
@@ -255,14 +255,10 @@ class SpeculativeEngine:
         return min(self.target.n_ctx, draft.n_ctx) if draft is not None else self.target.n_ctx
 
     def _fit(self, tokens: list[int], s: GenerationSettings, draft: LlamaCppDecoder | None) -> tuple[list[int], int]:
-        """The prompt cut to the context (when allowed) and the most tokens to generate after it."""
+        """The prompt cut to the context (a prompt that does not fit gets here only with truncate_prompt: encode
+        refuses it otherwise) and the most tokens to generate after it."""
         n_ctx = self._n_ctx(draft)
         if len(tokens) >= n_ctx:
-            if not s.truncate_prompt:
-                raise ContextLengthError(
-                    f"the prompt has {len(tokens)} tokens and the context holds {n_ctx}: "
-                    "raise --n-ctx, shorten the prompt, or allow --truncate-prompt."
-                )
             tokens = tokens[len(tokens) - (n_ctx - min(s.max_tokens, n_ctx // 2)):]
         for d in (self.target, draft) if draft is not None else (self.target,):
             d.shift_keep = min(len(tokens), n_ctx // 4) if s.context_shift else None
