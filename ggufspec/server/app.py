@@ -129,9 +129,9 @@ def create_app(worker: Worker, settings: GenerationSettings, model_id: str, limi
             ident = f"{shape.prefix}-{uuid.uuid4().hex[:24]}"
             head = {"id": ident, "created": int(time.time()), "model": model_id}
             if body.stream:
-                streaming = True  # from here the stream's own disconnect listener and `finally` stop the job
+                streaming = True  # the watch goes on until the stream has ended, or never started: `sse` stops it
                 usage_chunk = bool(body.stream_options and body.stream_options.include_usage)
-                return StreamingResponse(sse(job, shape, head, usage_chunk), media_type="text/event-stream",
+                return StreamingResponse(sse(job, shape, head, usage_chunk, watch), media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             final = await collect(job, param)
             if final is None:  # the client left; nobody reads this
@@ -141,8 +141,8 @@ def create_app(worker: Worker, settings: GenerationSettings, model_id: str, limi
                     "choices": [shape.choice(result.text, FINISH_REASONS[result.stop_reason], delta=False)],
                     "usage": usage(result.stats), "timings": timings(result.stats)}
         finally:
-            watch.cancel()
             if not streaming:
+                watch.cancel()
                 job.cancelled.set()  # no-op after the end; stops the job if this handler was cancelled
 
     @v1.post("/chat/completions")
@@ -215,9 +215,11 @@ def as_api_error(e: Exception, param: str | None = None) -> APIError:
                     kind="server_error", headers={"X-Request-Id": ident})
 
 
-async def sse(job: Job, shape: Shape, head: dict[str, Any], usage_chunk: bool) -> AsyncIterator[str]:
+async def sse(job: Job, shape: Shape, head: dict[str, Any], usage_chunk: bool,
+              watch: asyncio.Task) -> AsyncIterator[str]:
     """Server-sent events: chunks, the final chunk with finish_reason and timings, usage if asked, [DONE]. Starlette
-    cancels this generator when the client disconnects; `finally` then stops the job."""
+    cancels this generator when the client disconnects; `finally` then stops the job. `watch` cancels the job on a
+    disconnect until then (even one before this generator starts), and is stopped at the end."""
 
     def event(obj: dict[str, Any]) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
@@ -245,4 +247,5 @@ async def sse(job: Job, shape: Shape, head: dict[str, Any], usage_chunk: bool) -
                 break
         yield "data: [DONE]\n\n"
     finally:
+        watch.cancel()
         job.cancelled.set()
