@@ -28,6 +28,7 @@ from ggufspec.cli import main  # noqa: E402
 from ggufspec.convert import outputs  # noqa: E402
 from ggufspec.convert.hf import convert_hf  # noqa: E402
 from ggufspec.errors import ConversionError  # noqa: E402
+from test_interrupt import start_cli, wait_for  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 REFUSED = "is one of the inputs; choose another file name"
@@ -282,26 +283,6 @@ def big_checkpoint(tmp_path_factory) -> Path:
     return folder
 
 
-def start(*args: object, entry: tuple[str, ...] = ("-m", "ggufspec.cli")) -> subprocess.Popen:
-    """Start the CLI (or a converters/ script given as `entry`) with ARGS, its output piped."""
-    return subprocess.Popen([sys.executable, *entry, *map(str, args)], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-
-def wait_for(proc: subprocess.Popen, ready, what: str, timeout: float = 120.0) -> None:
-    """Poll `ready()` until true; the process ending first, or `timeout` passing, fails the test (no vacuous pass)."""
-    end = time.monotonic() + timeout
-    while not ready():
-        if proc.poll() is not None:
-            out, err = proc.communicate()
-            pytest.fail(f"the command ended (exit {proc.returncode}) before {what}\n{out}\n{err}")
-        if time.monotonic() > end:
-            proc.kill()
-            proc.communicate()
-            pytest.fail(f"no {what} after {timeout} s")
-        time.sleep(0.005)
-
-
 def signal_and_wait(proc: subprocess.Popen, signum: int) -> tuple[str, str]:
     assert proc.poll() is None, "the command ended before the signal"
     proc.send_signal(signum)
@@ -331,8 +312,9 @@ def test_signal_during_convert_removes_the_temp_file(big_checkpoint: Path, tmp_p
     out_dir.mkdir()
     out = out_dir / "model-q8_0.gguf"
     args = (big_checkpoint, out, "--outtype", "q8_0")
-    proc = start(*args, entry=entry) if entry else start("convert", "hf", *args)
-    wait_for(proc, lambda: any(p.stat().st_size > 1 << 20 for p in temp_files(out_dir)), "the temp file held 1 MB")
+    proc = start_cli(*args, entry=entry) if entry else start_cli("convert", "hf", *args)
+    wait_for(proc, lambda: any(p.stat().st_size > 1 << 20 for p in temp_files(out_dir)), "the temp file held 1 MB",
+             timeout=120)
     out_text, err = signal_and_wait(proc, signum)
     assert_terminated(proc, signum, out_text, err)
     assert list(out_dir.iterdir()) == []
@@ -345,9 +327,10 @@ def test_sigterm_during_quantize_removes_the_temp_file(big_checkpoint: Path, tmp
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     out = out_dir / "model-q4_k_m.gguf"
-    proc = start("quantize", src, out, "--type", "q4_k_m", "--threads", "1")
+    proc = start_cli("quantize", src, out, "--type", "q4_k_m", "--threads", "1")
     # the temp file is created empty before llama.cpp starts: data in it means the C call is under way
-    wait_for(proc, lambda: any(p.stat().st_size > 0 for p in temp_files(out_dir)), "llama.cpp writing the temp file")
+    wait_for(proc, lambda: any(p.stat().st_size > 0 for p in temp_files(out_dir)), "llama.cpp writing the temp file",
+             timeout=120)
     out_text, err = signal_and_wait(proc, signal.SIGTERM)
     assert_terminated(proc, signal.SIGTERM, out_text, err)
     assert list(out_dir.iterdir()) == []
