@@ -25,6 +25,8 @@ from typing import Any
 import llama_cpp
 
 from .decoder import Decoder, LlamaCppDecoder
+from .errors import GGUFSpecError
+from .outputs import temp_output
 
 try:
     import fcntl
@@ -288,8 +290,9 @@ def write_table(path: Path, entries: dict) -> None:
         with _locked(path):
             table, _ = _load(path)  # a file that is not a table was reported when read, and is replaced
             table.update(entries)
-            _replace(path, json.dumps(table))
-    except OSError:
+            with temp_output(path) as tmp:  # replaced in one step; the temp file removed whatever fails
+                tmp.write_text(json.dumps(table))
+    except (OSError, GGUFSpecError):  # temp_output reports a failed write as a ConversionError
         pass
 
 
@@ -303,18 +306,6 @@ def _locked(path: Path) -> Iterator[None]:
     with open(path.with_name(path.name + ".lock"), "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)  # released when the file is closed, or when the process dies
         yield
-
-
-def _replace(path: Path, text: str) -> None:
-    """Write `text` to a temporary file beside `path`, then move it over `path`; the temporary file is removed
-    whatever fails (a full disk, an interrupt)."""
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(OSError):  # gone already once replaced
-            tmp.unlink()
 
 
 @functools.cache

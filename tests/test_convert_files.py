@@ -25,7 +25,7 @@ pytest.importorskip("tokenizers")
 
 from convert_fixtures import train_bpe_tokenizer, write_medusa, write_tiny_model  # noqa: E402
 from ggufspec.cli import main  # noqa: E402
-from ggufspec.convert import outputs  # noqa: E402
+from ggufspec import outputs  # noqa: E402
 from ggufspec.convert.hf import convert_hf  # noqa: E402
 from ggufspec.errors import ConversionError  # noqa: E402
 from test_interrupt import start_cli, wait_for  # noqa: E402

@@ -14,7 +14,7 @@ from typing import Callable
 from gguf import GGUFWriter
 
 from ggufspec.convert.checkpoint import TensorRef, open_tensor_file
-from ggufspec.convert.outputs import refuse_overwriting_inputs
+from ggufspec.outputs import refuse_overwriting_inputs
 from ggufspec.convert.writing import OUT_TYPES, PlannedTensor, storage_type, write_gguf
 from ggufspec.errors import ConversionError, ModelFileError
 from ggufspec.medusa.heads import (

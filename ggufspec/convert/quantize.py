@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 from gguf import GGMLQuantizationType, LlamaFileType
 
 from ggufspec import llama_log
-from ggufspec.convert.outputs import (
+from ggufspec.outputs import (
     ENDING_SIGNALS, check_output_path, exit_code, output_problem, refuse_overwriting_inputs, remove_quietly,
     takes_default_action, temp_output, write_error,
 )

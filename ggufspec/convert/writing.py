@@ -11,7 +11,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, LlamaFileType
 from gguf import quants
 
-from ggufspec.convert.outputs import temp_output
+from ggufspec.outputs import temp_output
 from ggufspec.errors import ConversionError
 
 Q = GGMLQuantizationType

@@ -123,7 +123,7 @@ def train_cmd(target: Path, out: Path, prompts: Path | None, text_file: Path | N
 def tree_cmd(target: Path, heads_path: Path, data: Path, out: Path, nodes: int) -> None:
     """Fit a candidate tree to HEADS on the answers in DATA (a `medusa train --data` cache) and write it to OUT
     (JSON, for `generate --tree OUT`). Use answers the heads were not trained on."""
-    from ..convert.outputs import refuse_overwriting_inputs, temp_output
+    from ..outputs import refuse_overwriting_inputs, temp_output
     from ..gguf_check import read_header
     from ..trees import DEFAULT_TREE, TREES
     from .fit import fit_heads_tree, tree_accepted
@@ -148,7 +148,7 @@ def _refuse_clobbering(out: Path, ckpt: Path, inputs: list[Path | None]) -> None
     """Raise ConversionError when OUT or a checkpoint file `train` writes is, or links to, one of `inputs` (TARGET,
     --prompts, --text, --data), when OUT is the checkpoint folder, or when OUT's folder is missing."""
     from ..convert.medusa import SOURCE_FILES
-    from ..convert.outputs import check_output_path, refuse_overwriting_inputs, same_file
+    from ..outputs import check_output_path, refuse_overwriting_inputs, same_file
     from ..errors import ConversionError
 
     check_output_path(out)

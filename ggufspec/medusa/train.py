@@ -36,7 +36,7 @@ class Corpus:
 
     def save(self, path: Path) -> None:
         """Write the corpus to `path` (.npz content) atomically: no file, or a complete one, even on SIGTERM."""
-        from ..convert.outputs import temp_output
+        from ..outputs import temp_output
 
         lengths = np.array([len(t) for t in self.tokens], dtype=np.int64)
         soft = {}
@@ -160,7 +160,7 @@ def save_checkpoint(
     (with `medusa_choices`, the candidate tree fitted to the heads, when given)."""
     from safetensors.numpy import save_file
 
-    from ..convert.outputs import temp_output
+    from ..outputs import temp_output
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""The rules every writer of ggufspec.convert and `medusa train` shares: the output must not be one of the inputs
+"""The rules every writer of files shares (ggufspec.convert, `medusa train`, the measurement caches): the output must not be one of the inputs
 (`refuse_overwriting_inputs`), and it is written through a temp file that failures and signals remove
 (`temp_output`), with OS errors reported against the output folder (`write_error`).
 """
