@@ -176,8 +176,8 @@ def read_header(path: str | os.PathLike) -> GGUFHeader:
         end = data_start + t.offset + t.n_bytes
         if end > size:
             raise ModelFileError(
-                f"{p}: truncated: tensor {t.name!r} needs bytes up to {end:,} but the file has {size:,}. "
-                "Download or convert it again."
+                f"{p}: truncated: tensor {t.name!r} needs bytes up to {end:,} but the file has {size:,} "
+                f"({end - size:,} bytes missing). Download or convert it again."
             )
     return GGUFHeader(version, metadata, tuple(infos), data_start, size)
 

@@ -159,6 +159,13 @@ def open_tensor_file(path: Path) -> dict[str, TensorRef]:
     path = Path(path)
     if path.suffix == ".safetensors":
         return {r.name: r for r in SafetensorsFile(path).refs()}
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ModelFileError(f"{path}: cannot read ({e.strerror or e})") from e
+    if magic == b"GGUF":  # else torch would be asked for it (or said to be missing)
+        raise ConversionError(f"{path}: is a GGUF file already; this takes a safetensors or PyTorch checkpoint")
     return {r.name: r for r in _torch_refs(path)}
 
 

@@ -81,10 +81,15 @@ def convert_medusa_cmd(src: Path, out: Path, outtype: str, base_model: str | Non
 @click.option("--threads", "-t", type=int, default=0, help="Threads (0: all cores).")
 @click.option("--output-type", default=None, help="Storage type for output.weight (e.g. q8_0, f16).")
 @click.option("--embedding-type", default=None, help="Storage type for token_embd.weight (e.g. q8_0, f16).")
-@click.option("--allow-requantize", is_flag=True, help="Accept an already quantized input (quality suffers).")
+@click.option("--allow-requantize", is_flag=True,
+              help="Quantize an input that is already quantized (as llama-quantize --allow-requantize); quality "
+              "suffers more than quantizing its f16/bf16/f32 original.")
+@click.option("-v", "--verbose", is_flag=True,
+              help="List each tensor stored in another type than --type asks, and show llama.cpp's log lines.")
 def quantize_cmd(inp: Path, out: Path, qtype: str, threads: int, output_type: str | None,
-                 embedding_type: str | None, allow_requantize: bool) -> None:
+                 embedding_type: str | None, allow_requantize: bool, verbose: bool) -> None:
     """Quantize the GGUF IN to OUT with llama.cpp's quantizer."""
+    from ggufspec import llama_log
     from ggufspec.convert.quantize import FTYPES, quantize, tensor_type
 
     if qtype.lower() not in FTYPES:
@@ -96,6 +101,8 @@ def quantize_cmd(inp: Path, out: Path, qtype: str, threads: int, output_type: st
             except ValueError as e:
                 raise click.BadParameter(str(e), param_hint=opt) from e
 
+    if verbose:
+        llama_log.install(verbose=True)
     with click.progressbar(length=1, label=f"quantizing to {qtype}", file=sys.stderr) as bar:
         def update(done: int, total: int) -> None:
             bar.length = total
@@ -103,8 +110,11 @@ def quantize_cmd(inp: Path, out: Path, qtype: str, threads: int, output_type: st
 
         rep = quantize(inp, out, qtype, threads=threads, output_type=output_type, embedding_type=embedding_type,
                        allow_requantize=allow_requantize, progress=update)
-    for fb in rep.fallbacks:
-        click.echo(f"fallback: {fb}", err=True)
+    if verbose:
+        for fb in rep.fallbacks:
+            click.echo(f"fallback: {fb}", err=True)
+    elif rep.fallbacks:  # one line per tensor is llama.cpp's log again: 180 lines for SmolLM2 to a K-quant
+        click.echo(f"note: {rep.fallback_summary}; --verbose lists them", err=True)
     click.echo(f"wrote {rep.out} ({_mb(rep.out_bytes)} from {_mb(rep.in_bytes)}) in {rep.seconds:.1f} s; "
                f"types: {rep.type_summary}")
 

@@ -77,6 +77,9 @@ def inspect_gguf(path: Path) -> GGUFSummary:
     path = Path(path)
     if not path.is_file():
         raise ModelFileError(f"{path}: no such file")
+    # bounds-checked first, as for generate: on a truncated file gguf-py's reader fails with a numpy reshape error
+    # ("cannot reshape array of size ...") that names neither the tensor nor the missing bytes
+    header = read_header(path)
     try:
         r = GGUFReader(path)
     except (OSError, ValueError, IndexError) as e:
@@ -118,7 +121,7 @@ def inspect_gguf(path: Path) -> GGUFSummary:
         "rope scaling": hp("rope.scaling.type") or ("llama3 (rope_freqs)" if any(t.name == "rope_freqs.weight" for t in r.tensors) else None),
     }
     s.context_length = hp("context_length")
-    s.header = read_header(path)
+    s.header = header
     n_tokens = _array_len(r, "tokenizer.ggml.tokens")
     if n_tokens:
         tok = r.get_field("tokenizer.ggml.tokens")

@@ -44,6 +44,41 @@ _FALLBACK_OLD = re.compile(
     r"tensor cols (?P<cols>\d+) x \d+ are not divisible by (?P<block>\d+), required for (?P<want>\w+)"
     r"\s*-\s*using fallback quantization (?P<got>\w+)"
 )
+# llama.cpp's refusal of an already quantized input without allow_requantize
+_REQUANTIZE = re.compile(r"requantizing from type (?P<type>\S+) is disabled")
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """One tensor llama.cpp stored as `got` instead of `want`: its rows of `cols` values do not split into blocks
+    of `block`."""
+
+    name: str
+    cols: int
+    block: int
+    want: str
+    got: str
+
+    def __str__(self) -> str:
+        return (f"{self.name}: row length {self.cols} is not a multiple of {self.block} (needed by {self.want}), "
+                f"stored as {self.got}")
+
+
+def _values(xs: list[int]) -> str:
+    return "/".join(str(x) for x in sorted(set(xs)))
+
+
+def fallback_summary(fallbacks: list[Fallback]) -> str:
+    """All fallbacks in one line, e.g. "180 tensors fell back to another type (166 q4_K -> q5_0, 14 q6_K -> q8_0):
+    their row length (576) is not a multiple of the block size (256)"; "" for none."""
+    if not fallbacks:
+        return ""
+    pairs = Counter((f.want, f.got) for f in fallbacks)
+    n = len(fallbacks)
+    detail = ", ".join(f"{k} {want} -> {got}" for (want, got), k in pairs.most_common())
+    return (f"{n} tensor{'s' if n > 1 else ''} fell back to another type ({detail}): "
+            f"{'their' if n > 1 else 'its'} row length ({_values([f.cols for f in fallbacks])}) is not a multiple "
+            f"of the block size ({_values([f.block for f in fallbacks])})")
 
 
 @dataclass
@@ -55,7 +90,17 @@ class QuantizeReport:
     out_bytes: int
     seconds: float
     type_counts: dict[str, int]
-    fallbacks: list[str]
+    fallen_back: list[Fallback]
+
+    @property
+    def fallbacks(self) -> list[str]:
+        """One line per tensor that fell back to another type: name, row length, block, wanted and stored type."""
+        return [str(f) for f in self.fallen_back]
+
+    @property
+    def fallback_summary(self) -> str:
+        """The fallbacks in one line ("" for none)."""
+        return fallback_summary(self.fallen_back)
 
     @property
     def type_summary(self) -> str:
@@ -77,7 +122,7 @@ class _LogCapture:
         self.text: list[str] = []
         self.progress = progress
         self.current = ""
-        self.fallbacks: list[str] = []
+        self.fallbacks: list[Fallback] = []
         self._pending = ""
         self._lock = threading.Lock()
 
@@ -100,10 +145,7 @@ class _LogCapture:
         if f is None and "fallback" in line:
             f = _FALLBACK_OLD.search(" ".join(self.text[-2:]))
         if f:
-            self.fallbacks.append(
-                f"{name}: row length {f['cols']} is not a multiple of {f['block']} (needed by {f['want']}), "
-                f"stored as {f['got']}"
-            )
+            self.fallbacks.append(Fallback(name, int(f["cols"]), int(f["block"]), f["want"], f["got"]))
 
     def __enter__(self) -> "_LogCapture":
         self._capture = llama_log.capture(self._feed)
@@ -154,12 +196,20 @@ def _signals_end_process(tmp: Path) -> Iterator[None]:
 
 
 def _failure(inp: Path, out: Path, tmp: Path, qtype: str, log: _LogCapture, rc: int) -> ConversionError:
-    """The error for llama_model_quantize returning `rc` != 0: about the output folder when it cannot take the file,
-    else about the input, with llama.cpp's last error line.
+    """The error for llama_model_quantize returning `rc` != 0: an already quantized input (llama.cpp's own words,
+    "requantizing from type q4_1 is disabled", name neither the cause nor the option that overrides it); about the
+    output folder when it cannot take the file; else about the input, with llama.cpp's last error line.
 
     llama.cpp reports a failed write only as "basic_ios::clear", with no reason and no hint that the output, not
     the input, is at fault: `output_problem` asks the folder.
     """
+    requant = next((m for m in map(_REQUANTIZE.search, log.text) if m), None)
+    if requant is not None:
+        return ConversionError(
+            f"{inp} is already quantized ({requant['type']}): quantizing it again to {qtype} loses more quality "
+            f"than quantizing its f16/bf16/f32 original would. Pass --allow-requantize to do it anyway "
+            f"(as llama-quantize --allow-requantize), or quantize the original"
+        )
     problem = output_problem(tmp)
     if problem is not None:
         return write_error(out, problem)
@@ -178,6 +228,9 @@ def quantize(
     progress: Callable[[int, int], None] | None = None,
 ) -> QuantizeReport:
     """Quantize GGUF `inp` to `out` as `qtype` (a llama.cpp ftype name); atomic: temp file, then rename.
+
+    An input whose weights are already quantized is refused (a ConversionError naming its type and
+    --allow-requantize) unless `allow_requantize`.
 
     `out` must not be `inp` or a link to it, and its folder must take a file; an unwritable or full output folder
     is reported as such (`write_error`), not as a fault of the input. llama.cpp's quantizer cannot be cancelled:
