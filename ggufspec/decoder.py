@@ -10,6 +10,7 @@ import ctypes
 import os
 import re
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, Sequence
@@ -65,6 +66,10 @@ KV_TYPES = (*UNQUANTIZED_KV, "q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl")
 # On CPU a prefill runs about as fast in 64-token micro-batches as in 512-token ones (bench target: 42-45
 # tok/s on 739 tokens, 52-53 on 313), and their activations cut peak RSS by 56 MB on the 739-token prompt.
 CPU_UBATCH = 64
+# Batches of more tokens than this (prefills) run with llama_log.abort_check, so that Ctrl-C stops them between
+# graph nodes rather than after the whole batch; smaller ones (verification, single tokens) skip the check's call
+# into Python at every node.
+ABORTABLE_BATCH = 32
 
 
 @dataclass
@@ -171,17 +176,21 @@ class LlamaCppDecoder:
         mparams.n_gpu_layers = opts.n_gpu_layers
         mparams.load_mode = _LOAD_MODES[opts.use_mmap, opts.use_mlock]
         mparams.use_extra_bufts = opts.repack
+        mparams.progress_callback = llama_log.load_progress  # stops the load on Ctrl-C
         log: list[str] = []
-        with llama_log.capture(log.append):
-            self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), mparams)
+        self._model = self._ctx = self._batch = None
+        try:
+            with llama_log.capture(log.append), llama_log.interruptible():
+                self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), mparams) or None
+        except KeyboardInterrupt:
+            self.close()
+            raise
         # e.g. "load_tensors:   CPU_REPACK model buffer size =    95.34 MiB"
         self.weight_buffers: dict[str, float] = {
             m[1]: float(m[2]) for m in re.finditer(r"(\S+) model buffer size =\s*([\d.]+) MiB", "".join(log))
         }
         if not self._model:
             raise ModelFileError(f"{self.path}: llama.cpp could not load this model (run with --verbose to see why).")
-        self._ctx = None
-        self._batch: Batch | None = None
         try:
             self.vocab = Vocab(self._model)
             self.n_vocab: int = self.vocab.n_tokens
@@ -205,7 +214,8 @@ class LlamaCppDecoder:
             self.kv_type, self.kv_type_v = opts.cache_type, opts.cache_type_v
             cparams.type_k = int(GGMLQuantizationType[self.kv_type.upper()])
             cparams.type_v = int(GGMLQuantizationType[self.kv_type_v.upper()])
-            self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
+            with llama_log.interruptible():
+                self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
             if not self._ctx and opts.kv_type is None and opts.kv_type_v is None and self.kv_cache != "f16":
                 # the default q8_0 needs flash attention, which llama.cpp's "auto" may have turned down, and
                 # head sizes that are multiples of its 32-value blocks
@@ -237,6 +247,7 @@ class LlamaCppDecoder:
         self.n_decoded_tokens = 0
         self._n_out = 0  # rows of hidden states the last decode computed
         self._hidden_on = opts.embeddings
+        self._abort_on = False  # llama_log.abort_check installed: see ABORTABLE_BATCH
         self._skip = 0  # leading rows of the last decode that were deferred tokens, not asked for
         self._deferred: list[int] = []
         self._unrecorded = False  # a decode's cells may be in the KV cache without being in the history
@@ -315,12 +326,20 @@ class LlamaCppDecoder:
         if self._hidden_on != (hidden and self.options.embeddings):
             self._hidden_on = not self._hidden_on
             llama_cpp.llama_set_embeddings(self._ctx, self._hidden_on)
+        abortable = n_tokens > ABORTABLE_BATCH
+        if self._abort_on != abortable:
+            self._abort_on = abortable
+            llama_cpp.llama_set_abort_callback(self._ctx, llama_log.abort_check if abortable else llama_log.NO_ABORT_CHECK,
+                                               None)
         t0 = time.perf_counter()
         self._unrecorded = True
-        rc = llama_cpp.llama_decode(self._ctx, self._batch.struct)
-        self.decode_seconds += time.perf_counter() - t0
-        self.n_decodes += 1
-        self.n_decoded_tokens += n_tokens
+        try:
+            with llama_log.interruptible() if abortable else nullcontext():  # rc 2 when Ctrl-C aborted it
+                rc = llama_cpp.llama_decode(self._ctx, self._batch.struct)
+        finally:
+            self.decode_seconds += time.perf_counter() - t0
+            self.n_decodes += 1
+            self.n_decoded_tokens += n_tokens
         return rc
 
     def _logits(self, n_rows: int, view: bool = False) -> np.ndarray:

@@ -1,12 +1,19 @@
-"""The one llama.cpp log callback ggufspec installs: silent unless verbose, or routed to a capture.
+"""The callbacks ggufspec gives llama.cpp: its log (silent unless verbose, or routed to a capture), the model
+loader's progress and the computation's abort check, through which Ctrl-C stops a load or a long batch.
 
-llama.cpp keeps the C function pointer, so the ctypes callback lives at module level forever
-(a collected callback crashes later in unrelated code). Captures swap the Python sink only.
+llama.cpp keeps the C function pointers, so the ctypes callbacks live at module level forever (a collected
+callback crashes later in unrelated code). Captures swap the Python sink only.
+
+Python runs its Ctrl-C handler at the next Python code of the main thread, which during a llama.cpp call is one of
+these callbacks: its KeyboardInterrupt could only be printed as "Exception ignored" and dropped, and the load or
+batch would go on. So `interruptible()` holds Ctrl-C in a flag around such calls instead; the progress callback and
+the abort check read it to stop llama.cpp, and the KeyboardInterrupt is raised once the call returns.
 """
 
 from __future__ import annotations
 
 import ctypes
+import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -17,6 +24,7 @@ import llama_cpp
 _state = threading.local()
 _verbose = False
 _callback = None
+_held_interrupt = False  # Ctrl-C pressed inside interruptible(), not raised yet
 
 
 def _sink() -> Callable[[str], None] | None:
@@ -31,6 +39,47 @@ def _log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
         sink(msg)
     if _verbose:
         sys.stderr.write(msg)
+
+
+@llama_cpp.llama_progress_callback
+def load_progress(progress: float, user_data: ctypes.c_void_p) -> bool:
+    """llama_model_params.progress_callback: False (stop loading) once Ctrl-C was pressed."""
+    return not _held_interrupt
+
+
+@llama_cpp.ggml_abort_callback
+def abort_check(user_data: ctypes.c_void_p) -> bool:
+    """llama_set_abort_callback's check, run by llama.cpp's CPU backend between graph nodes on the calling thread:
+    True (abort the decode) once Ctrl-C was pressed. Calling into Python is what lets the signal handler run."""
+    return _held_interrupt
+
+
+NO_ABORT_CHECK = llama_cpp.ggml_abort_callback()  # a NULL function pointer: no check
+
+
+def _hold(signum: int, frame: object) -> None:
+    global _held_interrupt
+    _held_interrupt = True
+
+
+@contextmanager
+def interruptible() -> Iterator[None]:
+    """Around a llama.cpp call: Ctrl-C sets the flag the callbacks read instead of raising inside one of them, and
+    is raised as KeyboardInterrupt when the block ends. Only on the main thread with Python's own handler in place
+    (a server installs its own)."""
+    global _held_interrupt
+    swap = (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+    if swap:
+        signal.signal(signal.SIGINT, _hold)
+    try:
+        yield
+    finally:
+        if swap:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+    if _held_interrupt:
+        _held_interrupt = False
+        raise KeyboardInterrupt
 
 
 def install(verbose: bool = False) -> None:
