@@ -45,25 +45,32 @@ KV_TYPES = ("f16", "bf16", "f32", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_n
 def model_options(f):
     """Options shared by every command that opens llama.cpp contexts."""
     for opt in reversed([
-        click.option("-c", "--n-ctx", type=click.IntRange(min=1), default=4096, show_default=True, help="Context size in tokens."),
-        click.option("--n-batch", type=click.IntRange(min=1), default=512, show_default=True, help="Prefill chunk size."),
-        click.option("--n-ubatch", type=click.IntRange(min=1), default=None,
+        click.option("-c", "--n-ctx", "--ctx-size", "n_ctx", type=click.IntRange(min=1), default=4096, show_default=True,
+                     help="Context size in tokens."),
+        click.option("-b", "--n-batch", "--batch-size", "n_batch", type=click.IntRange(min=1), default=512,
+                     show_default=True, help="Prefill chunk size."),
+        click.option("-ub", "--n-ubatch", "--ubatch-size", "n_ubatch", type=click.IntRange(min=1), default=None,
                      help="Most tokens llama.cpp computes at once (default: 64 on CPU, where more costs memory and "
                           "gains no speed; --n-batch with GPU layers)."),
         click.option("-t", "--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: all cores)."),
-        click.option("--threads-batch", type=click.IntRange(min=1), default=None, help="CPU threads for batches."),
-        click.option("-ngl", "--n-gpu-layers", type=int, default=0, show_default=True, help="Layers to offload to Metal/CUDA (-1: all)."),
+        click.option("-tb", "--threads-batch", type=click.IntRange(min=1), default=None, help="CPU threads for batches."),
+        click.option("-ngl", "--n-gpu-layers", "--gpu-layers", "n_gpu_layers", type=int, default=0, show_default=True,
+                     help="Layers to offload to Metal/CUDA (-1: all); ignored, with a warning, by a build without them."),
         click.option("--no-mmap", is_flag=True, help="Read the model into memory instead of mapping it."),
         click.option("--mlock", is_flag=True, help="Lock the model in RAM."),
         click.option("--no-repack", is_flag=True,
                      help="Keep weights in llama.cpp's plain CPU layout (slower verify batches; for comparisons)."),
         click.option("--flash-attn/--no-flash-attn", default=None, help="Flash attention (default: llama.cpp decides)."),
+        click.option("-fa", "fa", type=click.Choice(("on", "off", "auto")), default=None,
+                     help="Flash attention as llama.cpp spells it: on, off or auto (the default)."),
         click.option("--kv-type", type=click.Choice(KV_TYPES), default=None,
                      help="KV cache type, K and V (default on CPU: q8_0 K, where a verify batch then gives plain "
                           "decoding's logits bit for bit, and q8_0 or f16 V, whichever this CPU reads faster, measured "
                           "once; f16, llama.cpp's default, with GPU layers or --no-flash-attn)."),
-        click.option("--kv-type-v", type=click.Choice(KV_TYPES), default=None,
-                     help="V cache type alone (llama.cpp's --cache-type-v; default: as --kv-type)."),
+        click.option("-ctk", "--cache-type-k", "kv_type_k", type=click.Choice(KV_TYPES), default=None,
+                     help="K cache type alone (default: as --kv-type)."),
+        click.option("-ctv", "--cache-type-v", "--kv-type-v", "kv_type_v", type=click.Choice(KV_TYPES), default=None,
+                     help="V cache type alone (default: as --kv-type)."),
         click.option("-v", "--verbose", is_flag=True, help="Show llama.cpp's log lines."),
         click.option("--no-memory-check", is_flag=True, help="Load even when weights + KV exceed the free RAM."),
     ]):
@@ -72,19 +79,44 @@ def model_options(f):
 
 
 def decoder_options(n_ctx, n_batch, n_ubatch, threads, threads_batch, n_gpu_layers, no_mmap, mlock, no_repack, flash_attn,
-                    kv_type, kv_type_v, verbose, no_memory_check):
-    from .decoder import DecoderOptions
+                    fa, kv_type, kv_type_k, kv_type_v, verbose, no_memory_check):
+    from .decoder import DecoderOptions, gpu_offload
 
+    if fa is not None:
+        if flash_attn is not None and flash_attn != (fa == "on"):
+            raise click.UsageError(f"-fa {fa} contradicts --{'' if flash_attn else 'no-'}flash-attn.")
+        flash_attn = {"on": True, "off": False, "auto": None}[fa]
+    if n_gpu_layers != 0 and not gpu_offload():  # as llama.cpp: a warning, and the CPU's defaults stay
+        click.echo(f"warning: -ngl {n_gpu_layers} is ignored: this llama.cpp build has no GPU backend (reinstall "
+                   "llama-cpp-python with CMAKE_ARGS for CUDA or Metal, see README); running on the CPU", err=True)
+        n_gpu_layers = 0
     try:
         return DecoderOptions(
             n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=threads, n_threads_batch=threads_batch,
             n_gpu_layers=n_gpu_layers, use_mmap=not no_mmap, use_mlock=mlock, repack=not no_repack, flash_attn=flash_attn,
-            kv_type=kv_type, kv_type_v=kv_type_v, verbose=verbose, memory_check=not no_memory_check,
+            kv_type=kv_type, kv_type_k=kv_type_k, kv_type_v=kv_type_v, verbose=verbose, memory_check=not no_memory_check,
         )
     except ValueError as e:
         raise click.UsageError(str(e)) from None
 
 
+class MaxTokens(click.ParamType):
+    """-n/--max-tokens: at least 1, or -1 (llama.cpp's "until the context ends"), which gives None."""
+
+    name = "integer"
+
+    def convert(self, value, param, ctx) -> int | None:
+        if value is None or isinstance(value, int) and value >= 1:
+            return value
+        try:
+            n = int(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number of tokens", param, ctx)
+        if n == -1:
+            return None
+        if n < 1:
+            self.fail(f"{n}: give at least 1 token, or -1 for up to the end of the context", param, ctx)
+        return n
 
 
 def generation_options(max_tokens: int | None, default_method: str):
@@ -94,21 +126,23 @@ def generation_options(max_tokens: int | None, default_method: str):
         for opt in reversed([
             click.option("-m", "--model", "target", type=click.Path(dir_okay=False), default=None,
                          help="Target GGUF (default: the --preset's, else the offline `demo` preset)."),
-            click.option("-d", "--draft", type=click.Path(dir_okay=False), default=None,
+            click.option("-d", "-md", "--draft", "--model-draft", "draft", type=click.Path(dir_okay=False), default=None,
                          help="Draft GGUF (same vocabulary)."),
             click.option("--preset", default=None,
                          help="A named pair from `ggufspec models`, fetched from the hub when needed."),
             click.option("--method", type=click.Choice(list(METHODS)), default=None,
                          help=f"{methods_help()}. Default: {default_method}."),
-            click.option("-n", "--max-tokens", type=click.IntRange(min=1), default=max_tokens,
+            click.option("-n", "--max-tokens", "--n-predict", "max_tokens", type=MaxTokens(), default=max_tokens,
                          show_default=max_tokens is not None,
-                         help=None if max_tokens else "Most tokens per answer (default: up to the end of the context)."),
+                         help="Most tokens per answer; -1: up to the end of the context"
+                              + ("." if max_tokens else " (the default).")),
             click.option("--temp", type=click.FloatRange(min=0), default=0.0, show_default=True, help="0 is greedy."),
             click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0: off."),
             click.option("--top-p", type=float, default=1.0, show_default=True, help="In (0, 1]; 1: off."),
             click.option("--min-p", type=float, default=0.0, show_default=True, help="In [0, 1]; 0: off."),
-            click.option("--seed", type=int, default=None, help="Seed for sampling (same seed, same text)."),
-            click.option("--draft-max", type=click.IntRange(min=1), default=4, show_default=True,
+            click.option("-s", "--seed", type=int, default=None,
+                         help="Seed for sampling (same seed, same text); -1 or none: random."),
+            click.option("--draft-max", "--draft-n", "draft_max", type=click.IntRange(min=1), default=4, show_default=True,
                          help="Most tokens drafted per step."),
             click.option("--draft-p-min", type=click.FloatRange(0, 1), default=0.0, show_default=True,
                          help="Stop drafting when the draft's top probability falls under this."),
@@ -127,7 +161,8 @@ def generation_options(max_tokens: int | None, default_method: str):
                          help="Medusa at --temp > 0: typical acceptance (threshold 0.09, alpha 0.3), faster but NOT "
                               "exact: the text no longer follows the target's sampling distribution. Without it Medusa "
                               "samples exactly; at --temp 0 it is greedy."),
-            click.option("--stop", multiple=True, help="Stop string (repeatable)."),
+            click.option("--stop", "-r", "--reverse-prompt", "stop", multiple=True,
+                         help="Stop string (repeatable)."),
         ]):
             f = opt(f)
         return f
@@ -146,18 +181,17 @@ def load_engine(params: dict, default_method: str | None = None, **settings_extr
     from .sampling import SamplingParams
 
     g = {k: params.pop(k) for k in _GENERATION_KEYS}
-    model_opts = {k: params.pop(k) for k in _MODEL_KEYS}
+    options = decoder_options(**{k: params.pop(k) for k in _MODEL_KEYS})
     target, draft, medusa_path, method, draft_max = g["target"], g["draft"], g["medusa_path"], g["method"], g["draft_max"]
     if target is None:
         target, draft, medusa_path, method, draft_max = _from_preset(g["preset"] or "demo", draft, medusa_path, method,
-                                                                     draft_max, gpu=model_opts["n_gpu_layers"] != 0)
+                                                                     draft_max, gpu=options.offloads)
     elif g["preset"] is not None:
         raise click.UsageError("give either --preset NAME or -m TARGET.gguf, not both.")
     method = method or default_method
     if method is not None:
         _check_method(method, draft, medusa_path)
     medusa_vocab = _medusa_vocab(g["medusa_vocab"], medusa_path)
-    options = decoder_options(**model_opts)
     settings = GenerationSettings(
         max_tokens=g["max_tokens"] or options.n_ctx, sampling=SamplingParams(g["temp"], g["top_k"], g["top_p"], g["min_p"]),
         method=method, draft_max=draft_max, draft_p_min=g["draft_p_min"], seed=g["seed"], stop=tuple(g["stop"]),
@@ -175,25 +209,27 @@ def _medusa_vocab(value: str | None, medusa_path: str | None) -> int | str | Non
 
 
 @main.command()
-@click.argument("prompt")
+@click.argument("prompt", required=False)
+@click.option("-p", "--prompt", "prompt_option", metavar="TEXT", default=None,
+              help="The prompt, as llama-cli takes it (instead of the PROMPT argument).")
+@click.option("-f", "--file", "prompt_file", type=click.File("rb"), default=None,
+              help="Read the prompt from a file (`-`: standard input).")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template (the default when it has one).")
 @click.option("--raw", is_flag=True, help="Plain completion: the prompt as it is, without the chat template.")
-@click.option("--system", default=None, help="System message (implies --chat).")
+@click.option("--system", "-sys", "--system-prompt", "system", default=None, help="System message (implies --chat).")
 @click.option("--truncate-prompt", is_flag=True, help="Keep the end of a prompt that does not fit the context.")
 @click.option("--context-shift", is_flag=True,
               help="When the context is full, drop the older half of the text after the prompt's start and go on.")
 @click.option("--stats", "show_stats", is_flag=True, help="Print a stats line to stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, tokens, stats) instead of streaming.")
 @generation_options(max_tokens=256, default_method="auto with a draft or --medusa, else autoregressive")
-def generate(prompt, chat, raw, system, truncate_prompt, context_shift, show_stats, as_json, **params) -> None:
-    """Generate text from PROMPT (`-` reads standard input).
+def generate(prompt, prompt_option, prompt_file, chat, raw, system, truncate_prompt, context_shift, show_stats, as_json,
+             **params) -> None:
+    """Generate text from PROMPT (`-` reads standard input; or -p TEXT, -f FILE).
 
     A model with a chat template gets PROMPT as a user message in it (as llama-cli and mlx_lm.generate do);
     --raw gives it the text as it is."""
-    if prompt == "-":
-        prompt = sys.stdin.read()
-    if not prompt.strip():
-        raise click.UsageError("the prompt is empty.")
+    prompt = _prompt_text(prompt, prompt_option, prompt_file)
     if raw and (chat or system is not None):
         raise click.UsageError("--raw gives the prompt as it is: it does not go with --chat or --system.")
     engine, _ = load_engine(params, truncate_prompt=truncate_prompt, context_shift=context_shift)
@@ -209,12 +245,39 @@ def generate(prompt, chat, raw, system, truncate_prompt, context_shift, show_sta
             _finish(engine.last_result, show_stats, as_json)
             sys.exit(EXIT_INTERRUPTED)
         _finish(engine.last_result, show_stats, as_json)
+        if engine.last_result is not None and engine.last_result.stop_reason == "length" and not as_json:
+            click.echo(f"(stopped: the context of {engine.n_ctx} tokens is full; raise -c/--ctx-size, or go on past it "
+                       "with --context-shift)", err=True)
     finally:
         engine.close()
 
 
+def _prompt_text(argument: str | None, option: str | None, file) -> str:
+    """The one prompt given as PROMPT, -p or -f (`-` as PROMPT or FILE: standard input), checked to be UTF-8 text
+    (Python hands undecodable bytes of argv and stdin on as surrogates, which fail later, far from the input)."""
+    given = [x for x in (argument, option, file) if x is not None]
+    if len(given) != 1:
+        raise click.UsageError("give the prompt once: as PROMPT, -p TEXT or -f FILE." if given else
+                               "no prompt: give it as PROMPT, -p TEXT or -f FILE (`-` reads standard input).")
+    if argument == "-":
+        file = click.get_binary_stream("stdin")
+    if file is not None:
+        data, where = file.read(), "standard input" if file.name in ("<stdin>", "-") else file.name
+    else:
+        text = argument if argument is not None else option
+        data, where = text.encode("utf-8", "surrogateescape"), "the prompt"
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise GGUFSpecError(f"{where} is not UTF-8 text: byte 0x{data[e.start]:02x} at offset {e.start} "
+                            f"(convert it first, e.g. iconv -f LATIN1 -t UTF-8)") from None
+    if not text.strip():
+        raise click.UsageError("the prompt is empty.")
+    return text
+
+
 @main.command()
-@click.option("--system", default=None, help="System message.")
+@click.option("--system", "-sys", "--system-prompt", "system", default=None, help="System message.")
 @click.option("--color/--no-color", "colour", default=None,
               help="Show draft tokens the target kept in a second colour (default: on in a terminal, off with NO_COLOR).")
 @click.option("--stats", "show_stats", is_flag=True, help="Print a stats line to stderr after every answer.")
@@ -222,7 +285,7 @@ def generate(prompt, chat, raw, system, truncate_prompt, context_shift, show_sta
 def chat(system, colour, show_stats, **params) -> None:
     """Chat with a model in the terminal: history kept, the KV cache of earlier turns reused, answers streamed.
 
-    Commands: /reset, /stats, /exit. Ctrl-C stops an answer, Ctrl-D exits."""
+    Commands: /help, /reset, /stats, /exit. Ctrl-C stops an answer, Ctrl-D exits."""
     from .terminal_chat import run_chat, use_colour
 
     engine, settings = load_engine(params, default_method="auto")
@@ -230,8 +293,7 @@ def chat(system, colour, show_stats, **params) -> None:
         if not engine.has_chat_template:
             raise GGUFSpecError(f"{engine.target.path} has no chat template (tokenizer.chat_template): "
                                 "use `ggufspec generate` for plain completion.")
-        name = engine.target.path.name + (f" + {engine.draft.path.name}" if engine.draft else "")
-        click.echo(f"ggufspec chat: {name}, method {engine.method_for(settings)}", err=True)
+        click.echo(f"ggufspec chat: {engine.describe(settings)}", err=True)
         run_chat(engine, settings, system, use_colour(colour, sys.stdout), show_stats)
 
 
@@ -259,10 +321,13 @@ class ByteSize(click.ParamType):
               help="Require `Authorization: Bearer KEY` on /v1 (also GGUFSPEC_API_KEY).")
 @click.option("--queue", type=click.IntRange(min=0), default=16, show_default=True,
               help="Requests that may wait while one runs; more get HTTP 429.")
-@click.option("--alias", default=None, help="Model name to report and accept (default: the target's file name).")
+@click.option("-a", "--alias", default=None,
+              help="Model name to report (default: the target's file name); any name a client sends is answered.")
+@click.option("-np", "--parallel", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Requests decoded at once; this server runs one at a time (others wait in --queue), so only 1.")
 @click.option("--max-body", type=ByteSize(), default=None,
               help="Largest request body (413 past it), e.g. 4M (default: 1 MiB plus 64 bytes per token of --n-ctx).")
-@click.option("--timeout", type=click.FloatRange(min=0.1), default=60.0, show_default=True,
+@click.option("-to", "--timeout", type=click.FloatRange(min=0.1), default=60.0, show_default=True,
               help="Seconds a client has to send a request, and to take each chunk of its answer.")
 @click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="NAME",
               help="Also accept requests whose Host header is NAME (repeatable; '*': any). IP addresses, localhost "
@@ -271,15 +336,20 @@ class ByteSize(click.ParamType):
               help="Let web pages at ORIGIN (e.g. http://localhost:3000) call the server (repeatable; '*': any). "
                    "Default: none.")
 @generation_options(max_tokens=None, default_method="auto")
-def serve(host, port, api_key, queue, alias, max_body, timeout, allowed_hosts, cors_origins, **params) -> None:
+def serve(host, port, api_key, queue, alias, parallel, max_body, timeout, allowed_hosts, cors_origins, **params) -> None:
     """An OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /health.
 
     Each request may override sampling and speculation (`"speculative": {"method": "vanilla", "draft_max": 3}`).
     Needs the server extra: pip install 'ggufspec[server]'."""
+    if parallel > 1:
+        raise click.UsageError(f"--parallel {parallel}: this server decodes one request at a time (others wait in "
+                               "--queue); run several servers on other ports to answer several at once.")
     try:
         from .server import Limits, serve as run_server
         from .server.boundary import default_max_body, default_max_connections
     except ImportError as e:
+        if (e.name or "").partition(".")[0] == "ggufspec":  # a fault of ours, not a missing extra
+            raise
         raise GGUFSpecError(f"`ggufspec serve` needs the server extra ({e.name} is missing): "
                             "pip install 'ggufspec[server]'") from None
 

@@ -87,7 +87,8 @@ class DecoderOptions:
     repack: bool = True  # llama.cpp's extra CPU weight layouts (its --no-repack turns them off)
     flash_attn: bool | None = None
     kv_type: str | None = None  # K and V; None: see `cache_type`
-    kv_type_v: str | None = None  # V alone; None: see `cache_type_v`
+    kv_type_k: str | None = None  # K alone (llama.cpp's --cache-type-k); None: kv_type
+    kv_type_v: str | None = None  # V alone (llama.cpp's --cache-type-v); None: kv_type
     embeddings: bool = False
     n_seq_max: int = 1
     verbose: bool = False
@@ -102,7 +103,7 @@ class DecoderOptions:
             raise ValueError(f"n_ubatch must be between 1 and n_batch ({self.n_batch}), got {self.n_ubatch}")
         if self.n_seq_max < 1:
             raise ValueError(f"n_seq_max must be >= 1, got {self.n_seq_max}")
-        for name in ("kv_type", "kv_type_v"):
+        for name in ("kv_type", "kv_type_k", "kv_type_v"):
             value = getattr(self, name)
             if value is not None and value not in KV_TYPES:
                 raise ValueError(f"{name} must be one of {', '.join(KV_TYPES)}, got {value!r}")
@@ -115,15 +116,21 @@ class DecoderOptions:
         CPU, where larger micro-batches cost memory and gain no speed."""
         if self.n_ubatch is not None:
             return self.n_ubatch
-        return self.n_batch if self.n_gpu_layers else min(self.n_batch, CPU_UBATCH)
+        return self.n_batch if self.offloads else min(self.n_batch, CPU_UBATCH)
+
+    @property
+    def offloads(self) -> bool:
+        """Whether layers go to a GPU: n_gpu_layers asks for it and this llama.cpp build has a GPU backend (without
+        one llama.cpp ignores n_gpu_layers, and so do the CPU defaults here)."""
+        return self.n_gpu_layers != 0 and gpu_offload()
 
     @property
     def cache_type(self) -> str:
-        """K cache type: kv_type, or by default q8_0 on CPU with flash attention: there llama.cpp decodes a batch and
-        single tokens with the same attention kernel, bit for bit at any context length (its f16 cache switches
-        single tokens to a split kernel past 256 cached tokens); else f16."""
-        if self.kv_type is not None:
-            return self.kv_type
+        """K cache type: kv_type_k, else kv_type, else by default q8_0 on CPU with flash attention: there llama.cpp
+        decodes a batch and single tokens with the same attention kernel, bit for bit at any context length (its f16
+        cache switches single tokens to a split kernel past 256 cached tokens); else f16."""
+        if self.kv_type_k is not None or self.kv_type is not None:
+            return self.kv_type_k or self.kv_type
         return "q8_0" if self._cpu_default else "f16"
 
     @property
@@ -139,7 +146,12 @@ class DecoderOptions:
 
     @property
     def _cpu_default(self) -> bool:
-        return self.n_gpu_layers == 0 and self.flash_attn is not False
+        return not self.offloads and self.flash_attn is not False
+
+
+def gpu_offload() -> bool:
+    """Whether this llama.cpp build has a GPU backend (CUDA, Metal, Vulkan, ...)."""
+    return bool(llama_cpp.llama_supports_gpu_offload())
 
 
 def kv_label(k: str, v: str) -> str:
@@ -168,7 +180,7 @@ class LlamaCppDecoder:
         self.options = opts = options or DecoderOptions()
         self.path = Path(path).expanduser().resolve()
         self.header = read_header(self.path)
-        if opts.memory_check and opts.n_gpu_layers == 0:
+        if opts.memory_check and not opts.offloads:
             check_memory([(self.path, self.header)], opts.n_ctx, opts.cache_type, opts.cache_type_v)
         llama_log.install(opts.verbose)
         self.cpu_backend = cpu_backend.prepare()
@@ -216,7 +228,7 @@ class LlamaCppDecoder:
             cparams.type_v = int(GGMLQuantizationType[self.kv_type_v.upper()])
             with llama_log.interruptible():
                 self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
-            if not self._ctx and opts.kv_type is None and opts.kv_type_v is None and self.kv_cache != "f16":
+            if not self._ctx and opts.kv_type is opts.kv_type_k is opts.kv_type_v is None and self.kv_cache != "f16":
                 # the default q8_0 needs flash attention, which llama.cpp's "auto" may have turned down, and
                 # head sizes that are multiples of its 32-value blocks
                 self.kv_type = self.kv_type_v = "f16"

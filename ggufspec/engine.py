@@ -17,11 +17,11 @@ from .chat import Message, chat_tokens, prestart
 from .costs import CostModel, cached_measure
 from .decoder import DecoderOptions, LlamaCppDecoder
 from .drafters import AutoDrafter, LookupDrafter, ModelDrafter, prefill
-from .errors import ContextLengthError, GGUFSpecError
+from .errors import ContextLengthError, GGUFSpecError, ModelFileError
 from .gguf_check import read_header
 from .memory import check_memory
 from .medusa.candidates import special_ids
-from .medusa.heads import Heads, heads_memory, medusa_decoder_options
+from .medusa.heads import ARCH as MEDUSA_ARCH, Heads, heads_memory, medusa_decoder_options
 from .methods import METHODS, Method, Run, Step, get_method
 from .methods.medusa import TreeSizer
 from .pairing import check_pair
@@ -126,9 +126,13 @@ class SpeculativeEngine:
             options = medusa_decoder_options(options)
         paths = [Path(p).expanduser() for p in (target_path, draft_path) if p is not None]
         headers = [read_header(p) for p in paths]
+        for path, header in zip(paths, headers):
+            if header.metadata.get("general.architecture") == MEDUSA_ARCH:
+                raise ModelFileError(f"{path} holds Medusa heads (ggufspec's own format), not a model: give it with "
+                                     "--medusa (medusa_path=), next to the target it was trained for.")
         if headers[0].metadata.get("tokenizer.chat_template"):
             prestart()  # the template's renderer process starts while the models load
-        if options.memory_check and options.n_gpu_layers == 0:
+        if options.memory_check and not options.offloads:
             extra = heads_memory(medusa_path, headers[0], medusa_vocab) if medusa_path is not None else []
             check_memory(list(zip(paths, headers)), options.n_ctx, options.cache_type, options.cache_type_v, extra)
         target_options = options
@@ -202,6 +206,12 @@ class SpeculativeEngine:
             yield from self._run(prompt, settings or self.settings)
         finally:
             self._lock.release()
+
+    def describe(self, s: GenerationSettings) -> str:
+        """The models and the method, as banners print them: "target.gguf + draft.gguf, method auto"."""
+        models = [self.target.path.name, *([self.draft.path.name] if self.draft else []),
+                  *(["Medusa heads"] if self.medusa else [])]
+        return f"{' + '.join(models)}, method {self.method_for(s).name}"
 
     def method_for(self, s: GenerationSettings) -> Method:
         """The method `s` runs on this engine; GGUFSpecError when it needs a model this engine lacks."""

@@ -15,7 +15,8 @@ from .chat import Message
 from .engine import GenerationResult, GenerationSettings, SpeculativeEngine
 from .stats import Stats
 
-COMMANDS = {"/reset": "forget the conversation", "/stats": "the last answer's stats line", "/exit": "quit (or Ctrl-D)"}
+COMMANDS = {"/help": "this list", "/reset": "forget the conversation", "/stats": "the last answer's stats line",
+            "/exit": "quit (or Ctrl-D)"}
 DRAFT_COLOUR, RESET = "\033[36m", "\033[0m"  # accepted draft tokens in cyan, as LM Studio highlights them
 
 
@@ -79,7 +80,9 @@ def run_chat(engine: SpeculativeEngine, settings: GenerationSettings, system: st
             command = text.split()[0].lower()
             if command in ("/exit", "/quit", "/bye"):
                 return
-            if command == "/reset":
+            if command in ("/help", "/?"):
+                print(f"{help_line}; Ctrl-C stops an answer.", file=err)
+            elif command == "/reset":
                 conv.turns.clear()
                 print("(conversation cleared)", file=err)
             elif command == "/stats":
@@ -97,6 +100,8 @@ def run_chat(engine: SpeculativeEngine, settings: GenerationSettings, system: st
             print("(stopped)", file=err)
         elif last.stop_reason == "length":
             print("(context full)", file=err)
+        elif last.stop_reason == "max_tokens":
+            print(f"(cut at {settings.max_tokens} tokens: -n/--max-tokens)", file=err)
         if show_stats:
             print(last.stats.line(), file=err)
 

@@ -117,3 +117,17 @@ def test_a_model_without_template_is_refused(tokenizer_fields, tiny_weights, tmp
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 2 and "no chat template" in child.before
+
+
+def test_banner_help_and_an_answer_cut_at_n(smollm2_path) -> None:
+    child = pexpect.spawn(sys.executable, ["-m", "ggufspec.cli", "chat", "-m", str(smollm2_path), "-d", str(smollm2_path),
+                                           "-c", "1024", "-n", "6"], encoding="utf-8", timeout=120, dimensions=(50, 200))
+    child.expect(">>> ")
+    banner = child.before
+    assert (f"ggufspec chat: {smollm2_path.name} + {smollm2_path.name}, method auto" in banner
+            and "Method(" not in banner), banner
+    helped = ask(child, "/help")
+    assert all(c in helped for c in ("/reset", "/stats", "/exit", "/help")) and "unknown command" not in helped
+    assert "(cut at 6 tokens: -n/--max-tokens)" in ask(child, "Write a long poem about the sea.")
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)

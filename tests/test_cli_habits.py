@@ -1,0 +1,96 @@
+"""What a llama.cpp user types on the first day: its flag spellings, -n -1, --seed -1, -ngl on a CPU build, a heads
+file given as a model, bytes that are not UTF-8, a context that fills up. Each runs the real CLI on SmolLM2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from ggufspec.cli import main
+from ggufspec.decoder import gpu_offload
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = "Name a colour."
+
+
+def run_json(*args: object) -> dict:
+    r = CliRunner().invoke(main, ["generate", *map(str, args), "--json"])
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout)
+
+
+def cli(*args: object, stdin: bytes | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ggufspec.cli", *(a if isinstance(a, bytes) else str(a) for a in args)],
+                          cwd=ROOT, input=stdin, capture_output=True, timeout=300)
+
+
+def test_llama_cpp_spellings_give_the_same_text_as_ggufspecs(smollm2_path) -> None:
+    ours = run_json("-m", smollm2_path, "-d", smollm2_path, "--method", "vanilla", "-c", "512", "-n", "12",
+                    "--seed", "3", "--temp", "0.8", "--flash-attn", "--kv-type", "q8_0", "--stop", "zzz", PROMPT)
+    theirs = run_json("-m", smollm2_path, "-md", smollm2_path, "--method", "vanilla", "--ctx-size", "512",
+                      "--n-predict", "12", "-s", "3", "--temp", "0.8", "-fa", "on", "-ctk", "q8_0", "-ctv", "q8_0",
+                      "-r", "zzz", "-p", PROMPT)
+    assert theirs["tokens"] == ours["tokens"] and len(ours["tokens"]) == 12
+    assert theirs["stats"]["drafted"] == ours["stats"]["drafted"] > 0  # the draft ran in both
+
+
+def test_help_lists_the_llama_cpp_spellings() -> None:
+    help_text = CliRunner().invoke(main, ["generate", "--help"]).output
+    for spelling in ("-md, --draft, --model-draft", "--ctx-size", "--n-predict", "-fa", "-ctk, --cache-type-k",
+                     "-ctv, --cache-type-v", "-p, --prompt", "-s, --seed", "--gpu-layers", "-ub, --n-ubatch"):
+        assert spelling in help_text, spelling
+    assert "-np, --parallel" in CliRunner().invoke(main, ["serve", "--help"]).output
+
+
+def test_serve_np_is_parallel_and_says_what_it_allows() -> None:
+    r = CliRunner().invoke(main, ["serve", "-np", "2"])
+    assert r.exit_code == 2 and "--parallel 2" in r.output and "'-n'" not in r.output
+
+
+def test_n_minus_one_runs_until_the_context_is_full_and_says_so(smollm2_path) -> None:
+    r = cli("generate", "-m", smollm2_path, "-c", "48", "-n", "-1", "--raw", "Once upon a time")
+    assert r.returncode == 0, r.stderr
+    assert b"(stopped: the context of 48 tokens is full" in r.stderr
+    out = run_json("-m", smollm2_path, "-c", "48", "-n", "-1", "--raw", "Once upon a time")
+    assert out["stop_reason"] == "length" and out["stats"]["prompt_tokens"] + len(out["tokens"]) == 48
+    zero = CliRunner().invoke(main, ["generate", "-m", str(smollm2_path), "-n", "0", PROMPT])
+    assert zero.exit_code == 2 and "-1 for up to the end of the context" in zero.output
+
+
+def test_seed_minus_one_is_a_random_seed(smollm2_path) -> None:
+    r = CliRunner().invoke(main, ["generate", "-m", str(smollm2_path), "--seed", "-1", "--temp", "0.8", "-n", "4",
+                                  PROMPT])
+    assert r.exit_code == 0, r.output
+
+
+@pytest.mark.skipif(gpu_offload(), reason="this llama.cpp build has a GPU backend")
+def test_ngl_without_a_gpu_backend_warns_and_keeps_the_cpu_defaults(smollm2_path) -> None:
+    r = CliRunner().invoke(main, ["generate", "-m", str(smollm2_path), "-ngl", "-1", "-n", "12", "--json", PROMPT])
+    assert r.exit_code == 0, r.output
+    assert r.stderr.count("warning: -ngl -1 is ignored") == 1
+    assert json.loads(r.stdout)["tokens"] == run_json("-m", smollm2_path, "-n", "12", PROMPT)["tokens"]
+    doctor = {args: CliRunner().invoke(main, ["doctor", "-m", str(smollm2_path), *args]).stdout
+              for args in ((), ("-ngl", "99"))}
+    kv = {args: [line for line in out.splitlines() if "KV cache" in line] for args, out in doctor.items()}
+    assert kv[()] and kv[()] == kv[("-ngl", "99")]
+
+
+def test_medusa_heads_given_as_a_model_are_named_so(smollm2_path) -> None:
+    heads = sorted((ROOT / "models" / "demo").glob("*medusa*.gguf"))[0]
+    for args in (["-m", smollm2_path, "-d", heads], ["-m", heads]):
+        r = CliRunner().invoke(main, ["generate", *map(str, args), "-n", "4", PROMPT])
+        assert r.exit_code == 2, r.output
+        assert "holds Medusa heads" in r.output and "--medusa" in r.output and "Traceback" not in r.output
+
+
+def test_bytes_that_are_not_utf8_are_named_by_their_offset_in_the_input(smollm2_path) -> None:
+    r = cli("generate", "-m", smollm2_path, "-n", "4", "-", stdin="café au lait".encode("latin-1"))
+    assert r.returncode == 2 and b"standard input is not UTF-8 text: byte 0xe9 at offset 3" in r.stderr, r.stderr
+    r = cli("generate", "-m", smollm2_path, "-n", "4", "café".encode("latin-1"))
+    assert r.returncode == 2 and b"the prompt is not UTF-8 text: byte 0xe9 at offset 3" in r.stderr, r.stderr
+    assert b"Traceback" not in r.stderr and b"surrogates" not in r.stderr
