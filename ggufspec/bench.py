@@ -1,7 +1,9 @@
 """Benchmarks: methods side by side on the same prompts, interleaved, medians over repetitions.
 
 Each repetition runs every prompt with every method back to back, so slow phases of a
-noisy machine hit all methods alike; speedups are ratios within one run.
+noisy machine hit all methods alike; speedups are ratios within one run. Every figure of
+the table comes with its spread over repetitions (see `summarize`), and `spread_warning`
+says when that spread, or the baseline's speed from run to run, is too wide to trust.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ class BenchPrompt:
 
 @dataclass
 class BenchConfig:
-    methods: tuple[str, ...] = ("autoregressive", "vanilla")
+    methods: tuple[str, ...] = ("autoregressive", "auto")  # the CLI's default: default_methods()
     temperatures: tuple[float, ...] = (0.0,)
     max_tokens: int = 128
     repeats: int = 3
@@ -94,6 +96,13 @@ def load_prompts(path: str | Path, limit: int | None = None, per_category: int |
     return out[:limit] if limit else out
 
 
+def default_methods(has_draft: bool, has_heads: bool) -> tuple[str, ...]:
+    """What `bench` compares when no --method is given: the baseline, each method that uses what is loaded on
+    its own (vanilla with a draft model, medusa with heads), and `auto`, the default of generate/chat/serve (with
+    neither, `auto` is prompt lookup where the cost model expects it to pay, else plain decoding)."""
+    return ("autoregressive",) + (("vanilla",) if has_draft else ()) + (("medusa",) if has_heads else ()) + ("auto",)
+
+
 def run_bench(
     engine: SpeculativeEngine, prompts: list[BenchPrompt], cfg: BenchConfig,
     progress: Callable[[int], None] | None = None,
@@ -121,9 +130,27 @@ def run_bench(
     return runs
 
 
+# A cell's spread is "wide" past these: its range over repetitions against its median (the baseline's tok/s, the
+# others' speedups), and the baseline's fastest single run against its slowest (decoding one token at a time with
+# one model should not vary 2x between prompts).
+SPREAD_WARN = 0.20
+RUN_SPEED_WARN = 2.0
+
+
 @dataclass
 class Summary:
-    """Aggregates of one (method, temperature, category): medians over repetitions."""
+    """Aggregates of one (method, temperature, category): medians over repetitions, with their range.
+
+    Each repetition gives one value per figure: tok/s pooled over the cell's prompts (all tokens over all
+    seconds) and the speedup, that tok/s over the baseline's pooled tok/s in the same repetition (whose runs were
+    interleaved with these, prompt by prompt). `tokens_per_s` and `speedup` are the medians of those values and
+    `*_min`/`*_max` their range: min-max over repetitions, not mean +- stdev, because a speedup is a ratio (its
+    spread is not symmetric) and three repetitions give no meaningful stdev. Every repetition runs the same
+    prompts, so the range is run-to-run noise (at temperature > 0 also the seeds'), not the prompts' different
+    speedups, which are the cell's content. With one repetition the range is a single value (the table then shows
+    no range). `run_tokens_per_s_min/max` is the range of single runs
+    (every prompt and repetition): for the baseline it shows a busy machine even with --repeats 1.
+    """
 
     method: str
     temperature: float
@@ -139,6 +166,29 @@ class Summary:
     engine_ms_per_token: float
     same_tokens_as_baseline: float | None
     acceptance_by_position: list[float] = field(default_factory=list)
+    repeats: int = 1
+    tokens_per_s_min: float = float("nan")
+    tokens_per_s_max: float = float("nan")
+    speedup_min: float = float("nan")
+    speedup_max: float = float("nan")
+    run_tokens_per_s_min: float = float("nan")
+    run_tokens_per_s_max: float = float("nan")
+    acceptance_by_position_min: list[float] = field(default_factory=list)  # per position, over repetitions
+    acceptance_by_position_max: list[float] = field(default_factory=list)
+
+    @property
+    def tokens_per_s_spread(self) -> float:
+        """Range over repetitions relative to the median (0 with one repetition)."""
+        return _relative(self.tokens_per_s_min, self.tokens_per_s_max, self.tokens_per_s)
+
+    @property
+    def speedup_spread(self) -> float:
+        return _relative(self.speedup_min, self.speedup_max, self.speedup)
+
+
+def _relative(lo: float, hi: float, mid: float) -> float:
+    spread = (hi - lo) / mid if mid else float("nan")
+    return spread if spread == spread else 0.0  # nan (no baseline): no spread to report
 
 
 def _pooled(runs: Iterable[Run]) -> dict[str, float]:
@@ -167,8 +217,25 @@ def _by_position(runs: list[Run]) -> list[float]:
     return (kept / np.maximum(judged, 1)).round(4).tolist()
 
 
+def _position_range(per_rep: list[list[float]], n: int) -> tuple[list[float], list[float]]:
+    """Elementwise min and max over repetitions of acceptance by position (positions a repetition never reached
+    left out of it)."""
+    lo, hi = [], []
+    for i in range(n):
+        vals = [p[i] for p in per_rep if i < len(p)]
+        lo.append(min(vals))
+        hi.append(max(vals))
+    return lo, hi
+
+
+def _run_tps(r: Run) -> float | None:
+    secs = r.stats["generation_seconds"]
+    return r.stats["generated_tokens"] / secs if secs > 0 and r.stats["generated_tokens"] > 0 else None
+
+
 def summarize(runs: list[Run], baseline: str = "autoregressive") -> list[Summary]:
-    """Per category and overall ("all"): pooled tok/s of each repetition, then the median over repetitions."""
+    """Per category and overall ("all"): pooled figures of each repetition, then the median over repetitions and
+    the range (see Summary)."""
     out: list[Summary] = []
     keys = sorted({(r.method, r.temperature) for r in runs})
     categories = sorted({r.category for r in runs}) + ["all"]
@@ -178,35 +245,83 @@ def summarize(runs: list[Run], baseline: str = "autoregressive") -> list[Summary
             if not sel:
                 continue
             reps = sorted({r.repeat for r in sel})
-            per_method: dict[str, dict[str, float]] = {}
-            for method in dict.fromkeys(r.method for r in sel):
-                pooled = [_pooled(r for r in sel if r.method == method and r.repeat == k) for k in reps]
-                per_method[method] = {m: statistics.median(p[m] for p in pooled) for m in pooled[0]}
-            base_tps = per_method.get(baseline, {}).get("tps")
+            pooled: dict[str, list[dict[str, float]]] = {
+                method: [_pooled(r for r in sel if r.method == method and r.repeat == k) for k in reps]
+                for method in dict.fromkeys(r.method for r in sel)
+            }
+            base = pooled.get(baseline)
             ref = {(r.prompt, r.repeat): r.tokens for r in sel if r.method == baseline}
-            for method, m in per_method.items():
+            for method, per_rep in pooled.items():
+                m = {k: statistics.median(p[k] for p in per_rep) for k in per_rep[0]}
+                tps = [p["tps"] for p in per_rep]
+                speedups = ([p["tps"] / b["tps"] if b["tps"] else float("nan") for p, b in zip(per_rep, base)]
+                            if base else [float("nan")])
+                mine = [r for r in sel if r.method == method]
                 same = None
                 if temp == 0 and ref and method != baseline:
-                    mine = [r for r in sel if r.method == method]
                     same = sum(ref.get((r.prompt, r.repeat)) == r.tokens for r in mine) / len(mine)
+                by_pos = _by_position(mine)
+                pos_lo, pos_hi = _position_range(
+                    [_by_position([r for r in mine if r.repeat == k]) for k in reps], len(by_pos))
+                run_tps = [v for v in map(_run_tps, mine) if v is not None] or [float("nan")]
                 out.append(Summary(
-                    method, temp, cat, len({r.prompt for r in sel}), m["tps"],
-                    m["tps"] / base_tps if base_tps else float("nan"), m["acc"], m["mal"], m["draft"], m["target"],
-                    m["engine"], m["engine_ms"], same,
-                    _by_position([r for r in sel if r.method == method]),
+                    method, temp, cat, len({r.prompt for r in sel}), m["tps"], statistics.median(speedups),
+                    m["acc"], m["mal"], m["draft"], m["target"], m["engine"], m["engine_ms"], same, by_pos,
+                    repeats=len(reps), tokens_per_s_min=min(tps), tokens_per_s_max=max(tps),
+                    speedup_min=min(speedups), speedup_max=max(speedups),
+                    run_tokens_per_s_min=min(run_tps), run_tokens_per_s_max=max(run_tps),
+                    acceptance_by_position_min=pos_lo, acceptance_by_position_max=pos_hi,
                 ))
     return out
 
 
+def _cell_spread(r: Summary, baseline: str) -> float:
+    """What a cell's figure is trusted by: the baseline's tok/s (the machine's own noise), every other method's
+    speedup (the headline; a slow phase that hits both runs of a pair cancels out of it)."""
+    return r.tokens_per_s_spread if r.method == baseline else r.speedup_spread
+
+
+def spread_warning(rows: list[Summary], baseline: str = "autoregressive") -> str | None:
+    """One line naming the cell whose spread is widest, when any is past SPREAD_WARN (range over repetitions against
+    the median: of the baseline's tok/s, of the others' speedups), or when the baseline's single runs differ by more
+    than RUN_SPEED_WARN times (a loaded machine shows there even with one repetition); None when all is tight."""
+    issues = []
+    wide = sorted(((_cell_spread(r, baseline), r) for r in rows
+                   if r.repeats > 1 and _cell_spread(r, baseline) > SPREAD_WARN), key=lambda x: -x[0])
+    if wide:
+        spread, r = wide[0]
+        what = (f"{r.tokens_per_s:.2f} tok/s, {r.tokens_per_s_min:.2f}-{r.tokens_per_s_max:.2f}"
+                if r.method == baseline else f"speedup {r.speedup:.2f}x, {r.speedup_min:.2f}-{r.speedup_max:.2f}x")
+        more = f"; {len(wide) - 1} more cells over {SPREAD_WARN:.0%}" if len(wide) > 1 else ""
+        issues.append(f"temp {r.temperature:g} {r.category} {r.method}: {what} over {r.repeats} repeats "
+                      f"({spread:.0%} of the median){more}")
+    for r in rows:
+        lo, hi = r.run_tokens_per_s_min, r.run_tokens_per_s_max
+        if r.method == baseline and r.category == "all" and lo > 0 and hi / lo > RUN_SPEED_WARN:
+            issues.append(f"temp {r.temperature:g} all {r.method}: single runs went from {lo:.2f} to {hi:.2f} tok/s")
+    if not issues:
+        return None
+    return ("warning: wide spread (" + "; ".join(issues) + "): these figures are unreliable; rerun with more "
+            "--repeats on a quiet machine (nothing else running, fixed -t threads).")
+
+
+def _range(lo: float, hi: float, repeats: int, suffix: str = "") -> str:
+    return "-" if repeats < 2 or lo != lo else f"{lo:.2f}-{hi:.2f}{suffix}"
+
+
 def format_table(rows: list[Summary]) -> str:
-    head = (f"{'temp':>4} {'category':<14} {'method':<15} {'n':>3} {'tok/s':>7} {'speedup':>7} {'accept':>7} "
-            f"{'tok/pass':>8} {'draft':>6} {'target':>6} {'engine':>6} {'eng ms/tok':>10} {'same':>5}  accept by position")
+    """Median over repetitions, and after tok/s and speedup their min-max over repetitions."""
+    head = (f"{'temp':>4} {'category':<14} {'method':<15} {'n':>3} {'tok/s':>7} {'(min-max)':>13} {'speedup':>7} "
+            f"{'(min-max)':>11} {'accept':>7} {'tok/pass':>8} {'draft':>6} {'target':>6} {'engine':>6} "
+            f"{'eng ms/tok':>10} {'same':>5}  accept by position")
     lines = [head, "-" * len(head)]
     for r in rows:
         same = "" if r.same_tokens_as_baseline is None else f"{r.same_tokens_as_baseline:.0%}"
         lines.append(
             f"{r.temperature:>4.1f} {r.category:<14.14} {r.method:<15} {r.prompts:>3} {r.tokens_per_s:>7.2f} "
-            f"{r.speedup:>6.2f}x {r.acceptance_rate:>7.1%} {r.mean_accepted_length:>8.2f} {r.draft_share:>6.0%} "
+            f"{_range(r.tokens_per_s_min, r.tokens_per_s_max, r.repeats):>13} {r.speedup:>6.2f}x "
+            f"{_range(r.speedup_min, r.speedup_max, r.repeats, 'x'):>11} "
+            f"{r.acceptance_rate:>7.1%} {r.mean_accepted_length:>8.2f} {r.draft_share:>6.0%} "
             f"{r.target_share:>6.0%} {r.engine_share:>6.1%} {r.engine_ms_per_token:>10.3f} {same:>5}  "
             + "/".join(f"{a:.0%}".rstrip("%") for a in r.acceptance_by_position)
         )

@@ -406,15 +406,21 @@ def _finish(result, show_stats: bool, as_json: bool) -> None:
 
 
 @main.command()
-@click.option("-m", "--model", "target", required=True, type=click.Path(dir_okay=False), help="Target GGUF.")
-@click.option("-d", "--draft", type=click.Path(dir_okay=False), default=None, help="Draft GGUF.")
+@click.option("-m", "--model", "target", type=click.Path(dir_okay=False), default=None,
+              help="Target GGUF (default: the --preset's, else the offline `demo` preset, its target and draft).")
+@click.option("-d", "--draft", type=click.Path(dir_okay=False), default=None,
+              help="Draft GGUF (default without -m: the preset's).")
+@click.option("--preset", default=None,
+              help="A named pair from `ggufspec models` (target, draft or heads), fetched from the hub when needed.")
 @click.option("-p", "--prompts", "prompt_file", required=True, type=click.Path(dir_okay=False),
               help="JSONL (Spec-Bench `turns` or HumanEval `prompt`) or a text file, one prompt a line.")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="Use the first N prompts.")
 @click.option("--per-category", type=click.IntRange(min=1), default=None,
               help="Use the first N prompts of each category (before --limit).")
 @click.option("--method", "methods", multiple=True, type=click.Choice(list(METHODS)),
-              help="Methods to compare (repeatable; default: autoregressive and, with a draft, vanilla).")
+              help="Methods to compare (repeatable; default: autoregressive, vanilla with a draft, medusa with "
+                   "--medusa heads, and auto; without either: autoregressive and auto, which is prompt lookup where "
+                   "it pays).")
 @click.option("--temp", "temps", multiple=True, type=click.FloatRange(min=0), help="Temperatures (repeatable; default 0).")
 @click.option("-n", "--max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
@@ -436,17 +442,35 @@ def _finish(result, show_stats: bool, as_json: bool) -> None:
               help="Instead of timing runs: record each prompt's greedy text and the draft's guesses once, then price "
                    "autoregressive, vanilla, lookup, auto and a per-step oracle with the measured cost model.")
 @model_options
-def bench(target, draft, prompt_file, limit, per_category, methods, temps, max_tokens, repeats, warmup, draft_max, draft_p_min,
-          seed, medusa_path, medusa_tree, medusa_vocab, fresh, output, plot_prefix, replay, **model_opts) -> None:
-    """Compare methods side by side on a prompt set: tok/s, speedup, acceptance, time split."""
-    from .bench import BenchConfig, format_table, load_prompts, run_bench, summarize, to_json
+def bench(target, draft, preset, prompt_file, limit, per_category, methods, temps, max_tokens, repeats, warmup, draft_max,
+          draft_p_min, seed, medusa_path, medusa_tree, medusa_vocab, fresh, output, plot_prefix, replay,
+          **model_opts) -> None:
+    """Compare methods side by side on a prompt set: tok/s and speedup (median over repetitions, with their
+    min-max), acceptance, time split. A warning on stderr names a cell whose spread is too wide to trust."""
+    from .bench import (BenchConfig, default_methods, format_table, load_prompts, run_bench, spread_warning, summarize,
+                        to_json)
     from .engine import SpeculativeEngine
 
+    prompts = load_prompts(prompt_file, limit, per_category)  # a bad file fails before any model is fetched
+    options = decoder_options(**model_opts)
+    if target is None:  # as generate/chat/serve: the preset's files, the offline demo pair by default
+        from .hub import get_preset, resolve
+
+        preset = preset or "demo"
+        p = get_preset(preset)
+        r = resolve(p, gpu=options.offloads)
+        target = str(r.target)
+        draft = draft or (str(r.draft) if r.draft else None)
+        medusa_path = medusa_path or (str(r.medusa) if r.medusa else None)
+        if click.get_current_context().get_parameter_source("draft_max") == click.core.ParameterSource.DEFAULT:
+            draft_max = p.draft_max
+    elif preset is not None:
+        raise click.UsageError("give either --preset NAME or -m TARGET.gguf, not both.")
     if replay:
         if draft is None:
             raise click.UsageError("--replay needs a draft model: -d DRAFT.gguf")
-        return _replay(target, draft, load_prompts(prompt_file, limit, per_category), max_tokens, draft_max, model_opts)
-    methods = methods or (("autoregressive", "vanilla") if draft else ("autoregressive",))
+        return _replay(target, draft, prompts, max_tokens, draft_max, options)
+    methods = methods or default_methods(draft is not None, medusa_path is not None)
     for method in methods:
         _check_method(method, draft, medusa_path)
     medusa_vocab = _medusa_vocab(medusa_vocab, medusa_path)
@@ -457,8 +481,7 @@ def bench(target, draft, prompt_file, limit, per_category, methods, temps, max_t
     cfg = BenchConfig(methods=tuple(methods), temperatures=tuple(temps) or (0.0,), max_tokens=max_tokens,
                       repeats=repeats, warmup=warmup, draft_max=draft_max, draft_p_min=draft_p_min, seed=seed,
                       fresh=fresh, medusa_tree=medusa_tree)
-    prompts = load_prompts(prompt_file, limit, per_category)
-    with SpeculativeEngine.load(target, draft, decoder_options(**model_opts), medusa_path=medusa_path,
+    with SpeculativeEngine.load(target, draft, options, medusa_path=medusa_path,
                                 medusa_vocab=medusa_vocab) as engine:
         total = len(prompts) * len(cfg.methods) * cfg.repeats * len(cfg.temperatures)
         with click.progressbar(length=total, label="benchmarking", file=sys.stderr) as bar:
@@ -466,26 +489,29 @@ def bench(target, draft, prompt_file, limit, per_category, methods, temps, max_t
         kv_type = engine.target.kv_cache  # the default depends on the device, on flash attention and on the CPU
     rows = summarize(runs)
     click.echo(format_table(rows))
+    warning = spread_warning(rows)
+    if warning:
+        click.echo(warning, err=True)
     if output:
-        meta = {"target": str(target), "draft": str(draft) if draft else None, "medusa": medusa_path,
+        meta = {"target": str(target), "draft": str(draft) if draft else None, "medusa": medusa_path, "preset": preset,
                 "medusa_vocab": medusa_vocab,
                 "prompts": str(prompt_file),
-                "threads": model_opts.get("threads"), "kv_type": kv_type}
+                "threads": options.n_threads, "kv_type": kv_type}
         Path(output).write_text(to_json(cfg, runs, rows, meta))
         click.echo(f"wrote {output}", err=True)
     if plot_prefix:
         from .plots import write_plots
 
-        for path in write_plots(rows, plot_prefix):
+        for path in write_plots(rows, plot_prefix, target=target, draft=draft, medusa=medusa_path):
             click.echo(f"wrote {path}", err=True)
 
 
-def _replay(target, draft, prompts, max_tokens: int, draft_max: int, model_opts: dict) -> None:
+def _replay(target, draft, prompts, max_tokens: int, draft_max: int, options) -> None:
     from .costs import measure
     from .engine import SpeculativeEngine
     from .replay import record, replay_table
 
-    with SpeculativeEngine.load(target, draft, decoder_options(**model_opts)) as engine:
+    with SpeculativeEngine.load(target, draft, options) as engine:
         costs, spread = measure(engine.target, engine.draft, draft_max)
         with click.progressbar(length=len(prompts), label="recording", file=sys.stderr) as bar:
             traces = record(engine, prompts, max_tokens, bar.update)

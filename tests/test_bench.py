@@ -1,22 +1,32 @@
-"""`ggufspec bench` end to end on the tiny pair: warm-up, repetitions, per-category rows, JSON."""
+"""`ggufspec bench` end to end on the tiny pair: warm-up, repetitions, per-category rows, JSON, spread, plots, and
+the demo pair by default."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
+from ggufspec import bench as bench_mod
+from ggufspec.bench import Run, Summary, spread_warning, summarize
 from ggufspec.cli import main
 from ggufspec.stats import Stats
+
+PROMPTS = [
+    {"question_id": 1, "category": "coding", "turns": ["Write a loop."]},
+    {"question_id": 2, "category": "math", "turns": ["What is 2+2?"]},
+    {"task_id": "t/3", "prompt": "def f(x):\n"},
+]
 
 
 def test_bench_compares_methods_side_by_side(tiny_target, tiny_draft, tmp_path) -> None:
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text("\n".join(json.dumps(x) for x in [
-        {"question_id": 1, "category": "coding", "turns": ["Write a loop."]},
-        {"question_id": 2, "category": "math", "turns": ["What is 2+2?"]},
-        {"task_id": "t/3", "prompt": "def f(x):\n"},
-    ]))
+    prompts.write_text("\n".join(json.dumps(x) for x in PROMPTS))
     out = tmp_path / "bench.json"
     r = CliRunner().invoke(main, ["bench", "-m", str(tiny_target), "-d", str(tiny_draft), "-p", str(prompts),
                                   "--method", "autoregressive", "--method", "vanilla", "--repeats", "2",
@@ -68,3 +78,153 @@ def test_per_category_keeps_the_first_prompts_of_each_category(tmp_path) -> None
                            for i, c in enumerate(["a", "a", "a", "b", "c", "b", "b"])))
     assert [p.id for p in load_prompts(f, per_category=2)] == ["0", "1", "3", "4", "5"]
     assert [p.id for p in load_prompts(f, limit=2, per_category=1)] == ["0", "3"]
+
+
+# --- defaults, spread, warning, plots (one bench run of the tiny pair, shared) ------------------------------------
+
+@pytest.fixture(scope="module")
+def default_bench(tiny_target, tiny_draft, tmp_path_factory):
+    """`bench` with no --method, 2 repetitions; SPREAD_WARN below any spread, so that its warning line is printed."""
+    tmp = tmp_path_factory.mktemp("bench")
+    prompts = tmp / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps(x) for x in PROMPTS))
+    out = tmp / "bench.json"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bench_mod, "SPREAD_WARN", -1.0)
+        r = CliRunner().invoke(main, ["bench", "-m", str(tiny_target), "-d", str(tiny_draft), "-p", str(prompts),
+                                      "--repeats", "2", "--warmup", "1", "-n", "8", "--draft-max", "3",
+                                      "--fresh-context", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    return r, json.loads(out.read_text())
+
+
+def test_bench_defaults_to_autoregressive_vanilla_and_auto_with_a_draft(default_bench) -> None:
+    r, data = default_bench
+    assert data["config"]["methods"] == ["autoregressive", "vanilla", "auto"]
+    assert {run["method"] for run in data["runs"]} == {"autoregressive", "vanilla", "auto"}
+    assert len(data["runs"]) == 3 * 3 * 2
+    rows = {(s["category"], s["method"]): s for s in data["summary"]}
+    assert rows[("all", "auto")]["same_tokens_as_baseline"] == 1.0  # greedy: auto's text is the target's
+
+
+def test_bench_default_methods_follow_what_is_loaded() -> None:
+    assert bench_mod.default_methods(False, False) == ("autoregressive", "auto")
+    assert bench_mod.default_methods(True, False) == ("autoregressive", "vanilla", "auto")
+    assert bench_mod.default_methods(False, True) == ("autoregressive", "medusa", "auto")
+    r = CliRunner().invoke(main, ["bench", "--help"])
+    assert "vanilla with a draft" in r.output and "--preset" in r.output
+
+
+def test_bench_table_and_json_carry_the_spread_over_repeats(default_bench) -> None:
+    r, data = default_bench
+    for s in data["summary"]:
+        assert s["repeats"] == 2
+        assert s["tokens_per_s_min"] <= s["tokens_per_s"] <= s["tokens_per_s_max"]
+        assert s["speedup_min"] <= s["speedup"] <= s["speedup_max"]
+        assert 0 < s["run_tokens_per_s_min"] <= s["tokens_per_s_min"]
+        assert s["run_tokens_per_s_max"] >= s["tokens_per_s_max"]
+        assert len(s["acceptance_by_position_min"]) == len(s["acceptance_by_position"])
+        assert all(lo <= a <= hi for lo, a, hi in zip(s["acceptance_by_position_min"], s["acceptance_by_position"],
+                                                       s["acceptance_by_position_max"]))
+        if s["method"] == "autoregressive":  # paired with itself in every repetition
+            assert s["speedup_min"] == s["speedup"] == s["speedup_max"] == 1.0
+    lines = r.stdout.splitlines()
+    assert "(min-max)" in lines[0]
+    for s in data["summary"]:
+        line = next(x for x in lines if x.split()[1:3] == [s["category"][:14], s["method"]])
+        assert f"{s['tokens_per_s_min']:.2f}-{s['tokens_per_s_max']:.2f}" in line
+        assert f"{s['speedup_min']:.2f}-{s['speedup_max']:.2f}x" in line
+    warnings = [x for x in r.stderr.splitlines() if x.startswith("warning:")]
+    assert len(warnings) == 1 and "--repeats" in warnings[0]  # one line, even though every cell is "wide" here
+    assert "warning" not in r.stdout
+
+
+def test_spread_warning_names_the_cell_a_stall_hit(default_bench) -> None:
+    _, data = default_bench
+    runs = [Run(**x) for x in data["runs"]]
+    # a loaded machine: one autoregressive run of the second repetition took 50 times as long
+    stalled = next(x for x in runs if x.method == "autoregressive" and x.repeat == 1 and x.category == "math")
+    stalled.stats = dict(stalled.stats, generation_seconds=stalled.stats["generation_seconds"] * 50)
+    rows = summarize(runs)
+    cell = next(x for x in rows if (x.category, x.method) == ("math", "autoregressive"))
+    assert cell.tokens_per_s_max / cell.tokens_per_s_min > 5 and cell.tokens_per_s_spread > 1
+    assert max(x.speedup_spread for x in rows if x.category == "math" and x.method == "vanilla") > 1
+    line = spread_warning(rows)
+    assert line is not None and "\n" not in line and line.startswith("warning: wide spread")
+    assert "temp 0 math " in line and "over 2 repeats" in line and "--repeats" in line and "quiet machine" in line
+    assert "single runs went from" in line  # the baseline's runs: 50x apart
+    one_rep = summarize([x for x in runs if x.repeat == 1])  # --repeats 1: no range, the single runs still show it
+    assert all(x.repeats == 1 and x.tokens_per_s_min == x.tokens_per_s_max for x in one_rep)
+    assert "single runs went from" in spread_warning(one_rep)
+    row = bench_mod.format_table(one_rep).splitlines()[2].split()
+    assert row[5] == "-" and row[7] == "-"  # no range to print
+
+
+def test_plots_show_values_error_bars_and_the_models(default_bench, tiny_target, tiny_draft, tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    from matplotlib.container import BarContainer, ErrorbarContainer
+
+    from ggufspec.plots import _title, acceptance_figure, speedup_figure, write_plots
+
+    _, data = default_bench
+    rows = [Summary(**s) for s in data["summary"]]
+    title = _title(tiny_target, tiny_draft)
+    assert title == "target tiny-target.gguf, draft tiny-draft.gguf"
+
+    fig = speedup_figure(rows, title=title)
+    assert fig.get_suptitle() == title
+    (ax,) = fig.axes
+    bars = [c for c in ax.containers if isinstance(c, BarContainer)]
+    assert [b.get_label() for b in bars] == ["vanilla", "auto"]  # the baseline is the 1.0 line, not a bar
+    assert all(b.errorbar is not None for b in bars)  # whiskers from the range over repetitions
+    texts = {t.get_text() for t in ax.texts}
+    for s in data["summary"]:
+        if s["method"] != "autoregressive":
+            assert f"{s['speedup']:.2f}x" in texts
+    low, high = bars[0].errorbar.lines[2][0].get_segments()[-1][:, 1]  # the last category: "all"
+    van = next(s for s in data["summary"] if (s["category"], s["method"]) == ("all", "vanilla"))
+    assert low == pytest.approx(van["speedup_min"]) and high == pytest.approx(van["speedup_max"])
+
+    fig = acceptance_figure(rows, title=title)
+    assert fig.get_suptitle() == title
+    (ax,) = fig.axes
+    lines = {c.get_label() for c in ax.containers if isinstance(c, ErrorbarContainer)}
+    assert "vanilla" in lines and lines <= {"vanilla", "auto"}  # auto may not draft at all on this machine
+    van_pos = van["acceptance_by_position"]
+    assert {f"{a:.0%}" for a in van_pos} <= {t.get_text() for t in ax.texts}
+
+    paths = write_plots(rows, tmp_path / "b", target=tiny_target, draft=tiny_draft)
+    assert [p.name for p in paths] == ["b-speedup.png", "b-acceptance.png"]
+
+
+# --- the demo pair when no -m is given ----------------------------------------------------------------------------
+
+def test_bench_runs_the_offline_demo_pair_without_a_model(tmp_path, smollm2_path) -> None:
+    env = dict(os.environ)
+    env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_CACHE=str(tmp_path / "hf" / "hub"), HF_HUB_OFFLINE="1",
+               GGUFSPEC_CACHE=str(tmp_path / "gg"), GGUFSPEC_THREADS="1")
+    env.pop("HF_TOKEN", None)
+    (tmp_path / "gg" / "models").mkdir(parents=True)
+    (tmp_path / "gg" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf").symlink_to(smollm2_path)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("def fibonacci(n):\n")
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "ggufspec.cli", "bench", "-p", str(prompts), "--repeats", "1",
+                        "--warmup", "0", "-n", "4", "-c", "256", "-o", str(out)],
+                       env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    assert data["meta"]["preset"] == "demo"
+    assert Path(data["meta"]["target"]).name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert Path(data["meta"]["draft"]).name == "smollm2-135m-draft.Q8_0.gguf"  # the draft shipped in models/demo
+    assert data["config"]["methods"] == ["autoregressive", "vanilla", "auto"]
+    assert {s["method"] for s in data["summary"]} == {"autoregressive", "vanilla", "auto"}
+
+
+def test_bench_takes_either_a_preset_or_a_model(tiny_target, tmp_path) -> None:
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\n")
+    r = CliRunner().invoke(main, ["bench", "--preset", "demo", "-m", str(tiny_target), "-p", str(prompts)])
+    assert r.exit_code == 2 and "not both" in r.output
+    r = CliRunner().invoke(main, ["bench", "--preset", "no-such-preset", "-p", str(prompts)])
+    assert r.exit_code == 2 and "unknown preset" in r.output
