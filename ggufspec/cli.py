@@ -260,8 +260,8 @@ def _prompt_text(argument: str | None, option: str | None, file) -> str:
         raise click.UsageError("give the prompt once: as PROMPT, -p TEXT or -f FILE." if given else
                                "no prompt: give it as PROMPT, -p TEXT or -f FILE (`-` reads standard input).")
     if argument == "-":
-        file = click.get_binary_stream("stdin")
-    if file is not None:
+        data, where = sys.stdin.buffer.read(), "standard input"
+    elif file is not None:
         data, where = file.read(), "standard input" if file.name in ("<stdin>", "-") else file.name
     else:
         text = argument if argument is not None else option

@@ -8,6 +8,7 @@ import pytest
 from conftest import open_decoder
 from ggufspec import cli
 from ggufspec import kv_cache
+from ggufspec import decoder as decoder_module
 from ggufspec.decoder import KV_TYPES, DecoderOptions, kv_label
 from ggufspec.errors import GGUFSpecError
 
@@ -280,20 +281,23 @@ def test_the_default_cpu_cache_is_q8_0_k_with_the_measured_v(smollm2_path) -> No
         assert d.kv_cache == kv_label("q8_0", d.kv_type_v)
 
 
-def test_cpu_micro_batches_of_64_change_no_logit(smollm2_path) -> None:
+def test_cpu_micro_batches_of_64_change_no_logit(smollm2_path, monkeypatch) -> None:
     """The default 64-token micro-batch (less activation memory) prefills to the logits one 512-token step gives."""
     tokens = np.random.default_rng(3).integers(10, 40_000, size=300).tolist()
     with open_decoder(smollm2_path) as small, open_decoder(smollm2_path, n_ubatch=512) as big:
         assert (small.n_ubatch, big.n_ubatch) == (64, 512)
         np.testing.assert_array_equal(small.feed(tokens, all_logits=False)[-1], big.feed(tokens, all_logits=False)[-1])
         assert small.n_decodes == big.n_decodes == 1, "n_batch still sets the chunks we hand llama.cpp"
+    monkeypatch.setattr(decoder_module, "gpu_offload", lambda: False)  # a CPU build ignores -ngl: CPU defaults
+    assert DecoderOptions(n_gpu_layers=-1).micro_batch == 64
+    monkeypatch.setattr(decoder_module, "gpu_offload", lambda: True)
     assert DecoderOptions(n_gpu_layers=-1).micro_batch == 512
     assert DecoderOptions(n_batch=32).micro_batch == 32
     with pytest.raises(ValueError, match="n_ubatch must be between 1 and n_batch"):
         DecoderOptions(n_batch=128, n_ubatch=256)
 
 
-def test_kv_type_is_checked_and_used(smollm2_path) -> None:
+def test_kv_type_is_checked_and_used(smollm2_path, monkeypatch) -> None:
     with pytest.raises(ValueError, match="kv_type must be one of"):
         DecoderOptions(kv_type="q9_0")
     with pytest.raises(ValueError, match="needs flash attention"):
@@ -305,7 +309,13 @@ def test_kv_type_is_checked_and_used(smollm2_path) -> None:
     assert (DecoderOptions(kv_type="q8_0").cache_type_v, DecoderOptions(kv_type_v="f16").cache_type) == ("q8_0", "q8_0")
     assert cli.KV_TYPES == KV_TYPES  # spelled twice so that `--help` need not import llama.cpp
     assert DecoderOptions(flash_attn=False).cache_type == "f16"
+    monkeypatch.setattr(decoder_module, "gpu_offload", lambda: False)  # a CPU build ignores -ngl: CPU defaults
+    assert DecoderOptions(n_gpu_layers=-1).cache_type == "q8_0"
+    monkeypatch.setattr(decoder_module, "gpu_offload", lambda: True)
     assert DecoderOptions(n_gpu_layers=-1).cache_type == "f16"
+    monkeypatch.undo()
+    assert DecoderOptions(kv_type="f16", kv_type_k="q8_0").cache_type == "q8_0"  # llama.cpp's -ctk: K alone
+    assert DecoderOptions(kv_type="f16", kv_type_k="q8_0").cache_type_v == "f16"
     with open_decoder(smollm2_path, kv_type="f16") as d:
         assert (d.kv_type, d.kv_type_v, d.kv_cache) == ("f16", "f16", "f16")
 
