@@ -377,7 +377,7 @@ def test_a_signal_ends_the_streams_in_flight_with_a_final_chunk_and_exits_cleanl
     t0 = time.perf_counter()
     for t in threads:
         t.join(timeout=30)
-    _, err = s.proc.communicate(timeout=30)
+    err = s.wait(timeout=30)
     print(f"{signal.Signals(sig).name}: streams ended and the server exited {time.perf_counter() - t0:.2f} s later")
     assert s.proc.returncode == exit_code, err
     assert "Traceback" not in err and "CancelledError" not in err, err

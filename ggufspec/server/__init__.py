@@ -56,8 +56,7 @@ def serve(engine: SpeculativeEngine, settings: GenerationSettings, model_id: str
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", http=functools.partial(BoundedH11Protocol, limits=limits),
                             backlog=BACKLOG, timeout_keep_alive=5, timeout_graceful_shutdown=GRACEFUL_SECONDS)
     server = _Server(config, on_signal=worker.cut_all)
-    announce(f"ggufspec: serving {model_id} on http://{host}:{port}/v1 (method {engine.method_for(settings).name}); "
-             "Ctrl-C stops")
+    announce(f"ggufspec: serving {model_id} on http://{host}:{port}/v1 ({engine.describe(settings)}); Ctrl-C stops")
     try:
         asyncio.run(_run(server, sock))
     finally:
@@ -105,13 +104,15 @@ class _Server(uvicorn.Server):
 
 
 def _log_to_stderr() -> None:
-    """ggufspec's server log: one line per event on stderr; a request's 500 with its traceback, once. A task that
-    uvicorn cancels at the end of the graceful timeout is not logged as an application error."""
+    """ggufspec's server log: one line per event on stderr (one per request, see `boundary.request_line`); a
+    request's 500 with its traceback, once. A task that uvicorn cancels at the end of the graceful timeout is not
+    logged as an application error."""
     if not log.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("ggufspec: %(message)s"))
         log.addHandler(handler)
         log.propagate = False
+    log.setLevel(logging.INFO)
     logging.getLogger("uvicorn.error").addFilter(
         lambda r: not (r.exc_info and isinstance(r.exc_info[1], asyncio.CancelledError)))
 

@@ -21,9 +21,9 @@ from starlette.types import Receive
 from ..engine import GenerationResponse, GenerationSettings, Prompt
 from ..errors import Cancelled, ContextLengthError, GGUFSpecError
 from ..sampling import SamplingParams
-from .api import (CHAT, FINISH_REASONS, TEXT, UNSUPPORTED, APIError, ChatRequest, CommonRequest, CompletionRequest,
-                  Shape, Speculative, timings, usage)
-from .boundary import Boundary, Limits, log, read_json
+from .api import (CHAT, FINISH_REASONS, TEXT, APIError, ChatRequest, CommonRequest, CompletionRequest, Shape,
+                  Speculative, refused_field, timings, usage)
+from .boundary import Boundary, Limits, note_of, read_json, server_error
 from .worker import STALL_SECONDS, Admitted, Job, Worker
 
 
@@ -34,16 +34,24 @@ def create_app(worker: Worker, settings: GenerationSettings, model_id: str, limi
     engine = worker.engine
     app = FastAPI(title="ggufspec", docs_url=None, redoc_url=None, openapi_url=None)
     created = int(time.time())
-    names = {model_id, engine.target.path.name, engine.target.path.stem, str(engine.target.path)}
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        note_of(request.scope)["error"] = e
         return e.response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception) -> JSONResponse:
+        """What no handler expected: a 500 in OpenAI's shape with a request id, logged once (Starlette raises the
+        exception again after this answer: the boundary sees that it is logged)."""
+        note_of(request.scope)["logged"] = e
+        return await _api_error(request, server_error(e, f"{request.method} {request.url.path}"))
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, e: HTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
-        return APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", code=code).response()
+        return await _api_error(request, APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
+                                                  code=code))
 
     def authorized(request: Request) -> None:
         """With --api-key, /v1, /slots and /openapi.json want `Authorization: Bearer KEY` (the scheme in any case,
@@ -82,14 +90,32 @@ def create_app(worker: Worker, settings: GenerationSettings, model_id: str, limi
                                                      "draft": str(engine.draft.path) if engine.draft else None,
                                                      "medusa": engine.medusa is not None}}]}
 
-    def request_settings(body: CommonRequest, max_tokens: int | None) -> GenerationSettings:
-        if body.model not in (None, "") and body.model not in names:
-            raise APIError(404, f"the model {body.model!r} does not exist: this server serves {model_id!r}",
-                           param="model", code="model_not_found")
-        for name, refused in UNSUPPORTED:
-            if refused(body):
-                raise APIError(400, f"{name}: not supported by ggufspec (it would change the output, and ggufspec "
-                                    "does not implement it)", param=name, code="unsupported_parameter")
+    def token_limit(body: CommonRequest) -> int | None:
+        """The request's max_tokens (max_completion_tokens, or llama-server's n_predict, -1 to the end of the
+        context); None: the server's."""
+        given = {name: value for name in ("max_completion_tokens", "max_tokens")
+                 if (value := getattr(body, name, None)) is not None}
+        if body.n_predict is None:
+            return next(iter(given.values()), None)
+        if body.n_predict == 0:
+            raise APIError(400, "n_predict: 0 is not supported (ggufspec generates at least one token; -1: until "
+                                "the context is full)", param="n_predict")
+        for name, value in given.items():
+            if value != body.n_predict:
+                raise APIError(400, f"n_predict ({body.n_predict}) and {name} ({value}) disagree: send one of them",
+                               param="n_predict")
+        return engine.n_ctx if body.n_predict == -1 else body.n_predict
+
+    def request_settings(body: CommonRequest) -> GenerationSettings:
+        # `model` is not checked: the one model answers to any name, as in llama-server.
+        refused = refused_field(body.model_extra or {})
+        if refused is not None:
+            name, why = refused
+            shown = json.dumps((body.model_extra or {})[name], ensure_ascii=False)
+            shown = shown if len(shown) <= 60 else shown[:57] + "..."
+            raise APIError(400, f"{name}: {shown} is not supported by ggufspec ({why}); it would change the output, "
+                                "so it is refused rather than ignored", param=name, code="unsupported_parameter")
+        max_tokens = token_limit(body)
         stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
         if len(stops) > 16:
             raise APIError(400, "stop: at most 16 stop strings", param="stop")
@@ -114,29 +140,34 @@ def create_app(worker: Worker, settings: GenerationSettings, model_id: str, limi
             raise APIError(400, str(e), param="speculative") from None
         return s
 
-    async def respond(request: Request, shape: Shape, body: CommonRequest, prompt: Prompt, max_tokens: int | None,
-                      param: str):
-        job = worker.submit(prompt, request_settings(body, max_tokens))
+    async def respond(request: Request, shape: Shape, body: CommonRequest, prompt: Prompt, param: str):
+        note = note_of(request.scope)
+        job = worker.submit(prompt, request_settings(body))
         watch = asyncio.create_task(_cancel_on_disconnect(request.receive, job))
         streaming = False
         try:
             first = await job.events.get()  # the prompt rendered, tokenized and found to fit, or why not
             if first is None:  # the client left while the job waited or rendered
+                note["left"] = True
                 return JSONResponse({}, status_code=499)
             if isinstance(first, Exception):
                 raise as_api_error(first, param)
             assert isinstance(first, Admitted)
+            note["prompt_tokens"] = first.prompt_tokens
             ident = f"{shape.prefix}-{uuid.uuid4().hex[:24]}"
             head = {"id": ident, "created": int(time.time()), "model": model_id}
             if body.stream:
                 streaming = True  # the watch goes on until the stream has ended, or never started: `sse` stops it
                 usage_chunk = bool(body.stream_options and body.stream_options.include_usage)
-                return StreamingResponse(sse(job, shape, head, usage_chunk, watch), media_type="text/event-stream",
+                return StreamingResponse(sse(job, shape, head, usage_chunk, watch, note),
+                                         media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             final = await collect(job, param)
             if final is None:  # the client left; nobody reads this
+                note["left"] = True
                 return JSONResponse({}, status_code=499)
             result = final.result
+            note["stats"] = result.stats
             return {**head, "object": shape.object,
                     "choices": [shape.choice(result.text, FINISH_REASONS[result.stop_reason], delta=False)],
                     "usage": usage(result.stats), "timings": timings(result.stats)}
@@ -149,7 +180,7 @@ def create_app(worker: Worker, settings: GenerationSettings, model_id: str, limi
     async def chat_completions(request: Request):
         body = parse(await read_json(request, limits.max_body), ChatRequest)
         messages = [m.as_message() for m in body.messages]
-        return await respond(request, CHAT, body, messages, body.max_completion_tokens or body.max_tokens, "messages")
+        return await respond(request, CHAT, body, messages, "messages")
 
     @v1.post("/completions")
     async def completions(request: Request):
@@ -161,7 +192,7 @@ def create_app(worker: Worker, settings: GenerationSettings, model_id: str, limi
             prompt = prompt[0]
         if not prompt:
             raise APIError(400, "prompt: empty", param="prompt")
-        return await respond(request, TEXT, body, prompt, body.max_tokens, "prompt")
+        return await respond(request, TEXT, body, prompt, "prompt")
 
     app.include_router(v1)
     inner = app if not limits.cors_origins else CORSMiddleware(
@@ -209,17 +240,17 @@ def as_api_error(e: Exception, param: str | None = None) -> APIError:
         return APIError(499, str(e))
     if isinstance(e, GGUFSpecError):
         return APIError(400, str(e), param=param)
-    ident = uuid.uuid4().hex[:12]
-    log.error("request %s failed in the engine: %s", ident, e, exc_info=e)
-    return APIError(500, f"internal error (request {ident}; the server log has the details)", code="internal_error",
-                    kind="server_error", headers={"X-Request-Id": ident})
+    return server_error(e)
 
 
-async def sse(job: Job, shape: Shape, head: dict[str, Any], usage_chunk: bool,
-              watch: asyncio.Task) -> AsyncIterator[str]:
-    """Server-sent events: chunks, the final chunk with finish_reason and timings, usage if asked, [DONE]. Starlette
-    cancels this generator when the client disconnects; `finally` then stops the job. `watch` cancels the job on a
-    disconnect until then (even one before this generator starts), and is stopped at the end."""
+async def sse(job: Job, shape: Shape, head: dict[str, Any], usage_chunk: bool, watch: asyncio.Task,
+              note: dict[str, Any]) -> AsyncIterator[str]:
+    """Server-sent events: chunks, the final chunk with finish_reason and timings, usage if asked, [DONE]. An error
+    (the job's, or this generator's own) ends the stream with OpenAI's error object and [DONE]: a 4xx's reason, or
+    a 500's request id, logged once. Starlette cancels this generator when the client disconnects; `finally` then
+    stops the job. `watch` cancels the job on a disconnect until then (even one before this generator starts), and
+    is stopped at the end. `note` gets what the request log reports: the stats, the error, or that the client
+    left."""
 
     def event(obj: dict[str, Any]) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
@@ -228,24 +259,30 @@ async def sse(job: Job, shape: Shape, head: dict[str, Any], usage_chunk: bool,
         return event({**head, "object": shape.chunk_object, "choices": choices, **extra})
 
     try:
-        if shape is CHAT:
-            yield chunk([shape.choice(None, None, delta=True, first=True)])
-        while True:
-            item = await job.events.get()
-            if isinstance(item, Exception):
-                yield event(as_api_error(item).body())
-                break
-            if item is None:
-                break
-            if item.text:
-                yield chunk([shape.choice(item.text, None, delta=True)])
-            if item.finish_reason is not None:
-                stats = item.result.stats
-                yield chunk([shape.choice(None, FINISH_REASONS[item.finish_reason], delta=True)], timings=timings(stats))
-                if usage_chunk:
-                    yield chunk([], usage=usage(stats))
-                break
+        try:
+            if shape is CHAT:
+                yield chunk([shape.choice(None, None, delta=True, first=True)])
+            while True:
+                item = await job.events.get()
+                if isinstance(item, Exception):
+                    raise item
+                if item is None:
+                    break
+                if item.text:
+                    yield chunk([shape.choice(item.text, None, delta=True)])
+                if item.finish_reason is not None:
+                    stats = note["stats"] = item.result.stats
+                    yield chunk([shape.choice(None, FINISH_REASONS[item.finish_reason], delta=True)],
+                                timings=timings(stats))
+                    if usage_chunk:
+                        yield chunk([], usage=usage(stats))
+                    break
+        except Exception as e:  # the headers are sent: the error goes in the stream
+            error = note["error"] = as_api_error(e)
+            yield event(error.body())
         yield "data: [DONE]\n\n"
     finally:
+        if "stats" not in note and "error" not in note:
+            note["left"] = True
         watch.cancel()
         job.cancelled.set()

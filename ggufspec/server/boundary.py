@@ -12,6 +12,9 @@
   response that the client stops reading is dropped after as long; at most `max_connections` stay open (sized
   under the process's file-descriptor limit), the oldest one that is not being answered closed to make room.
 - **Errors.** Anything a handler did not expect is answered as a 500 with a request id, logged once with that id.
+- **The request log.** One line per request on the server's log, as llama-server's: method, path, status, the
+  tokens of the prompt and of the answer with the speed, the time taken, and for an error its code (and a 500's
+  request id); a stream that fails after its 200 says so. /health and /slots answering 200 are not logged (polls).
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ from .api import APIError
 log = logging.getLogger("ggufspec.server")
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a JSON string may hold one only as half of a pair
+NOTE = "ggufspec.note"  # the ASGI scope's key for what the app tells the request log
+QUIET_PATHS = frozenset({"/health", "/slots"})  # polled: not logged when they answer 200, as in llama-server
 
 
 @dataclass(frozen=True)
@@ -144,25 +149,32 @@ class Boundary:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        refusal = self.refusal(scope)
-        if refusal is not None:
-            return await refusal.response()(scope, receive, send)
-        started = False
+        t0 = time.perf_counter()
+        note: dict[str, Any] = {}
+        scope[NOTE] = note
+        status = 0
 
         async def send_marked(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
             await send(message)
 
         try:
-            await self.app(scope, receive, send_marked)
-        except Exception as e:
-            ident = uuid.uuid4().hex[:12]
-            log.error("request %s (%s %s) failed: %s", ident, scope["method"], scope["path"], e, exc_info=e)
-            if not started:
-                err = APIError(500, f"internal error (request {ident}; the server log has the details)",
-                               code="internal_error", kind="server_error", headers={"X-Request-Id": ident})
-                await err.response()(scope, receive, send)
+            refusal = self.refusal(scope)
+            if refusal is not None:
+                note["error"] = refusal
+                return await refusal.response()(scope, receive, send_marked)
+            try:
+                await self.app(scope, receive, send_marked)
+            except Exception as e:
+                if note.get("logged") is not e:  # the app's handler answered and logged it, then Starlette raised it
+                    err = note["error"] = server_error(e, f"{scope['method']} {scope['path']}")
+                    if not status:
+                        await err.response()(scope, receive, send_marked)
+        finally:
+            if not (status == 200 and scope["path"] in QUIET_PATHS):
+                log.info("%s", request_line(scope["method"], scope["path"], status, note, time.perf_counter() - t0))
 
     def refusal(self, scope: Scope) -> APIError | None:
         """The error a request gets from its method and headers alone, if any."""
@@ -184,6 +196,44 @@ class Boundary:
             if length is not None and (not length.isdigit() or int(length) > self.limits.max_body):
                 return too_large(self.limits.max_body)
         return None
+
+
+def server_error(e: Exception, where: str | None = None) -> APIError:
+    """A failure nobody expected: logged once, with its traceback and a new request id; a 500 that names the id."""
+    ident = uuid.uuid4().hex[:12]
+    log.error("request %s%s failed: %s", ident, f" ({where})" if where else "", e, exc_info=e)
+    return APIError(500, f"internal error (request {ident}; the server log has the details)", code="internal_error",
+                    kind="server_error", headers={"X-Request-Id": ident})
+
+
+def note_of(scope: Scope) -> dict[str, Any]:
+    """What the app tells the request log about a request: `prompt_tokens`, `stats` (a finished generation's),
+    `error` (the APIError it was answered with, or that ended its stream), `left` (its client went away), `logged`
+    (the unexpected exception already answered and logged)."""
+    return scope.setdefault(NOTE, {})
+
+
+def request_line(method: str, path: str, status: int, note: dict[str, Any], seconds: float) -> str:
+    """The request log's line, e.g. `POST /v1/chat/completions 200: prompt 31 tokens (12 cached), 24 generated at
+    85.2 tok/s, 412 ms` or `POST /v1/completions 400: unsupported_parameter (n), 2 ms`."""
+    parts = []
+    error = note.get("error")
+    if isinstance(error, APIError):
+        what = error.code or error.kind
+        what += f" ({error.param})" if error.param else ""
+        ident = (error.headers or {}).get("X-Request-Id")
+        what += f", request {ident}" if ident else ""
+        parts.append(what if error.status == status else f"the stream failed with {error.status} {what}")
+    stats = note.get("stats")
+    if stats is not None:
+        parts.append(f"prompt {stats.prompt_tokens} tokens ({stats.cached_tokens} cached), {stats.generated_tokens} "
+                     f"generated at {stats.generation_tps:.1f} tok/s")
+    elif "prompt_tokens" in note:
+        parts.append(f"prompt {note['prompt_tokens']} tokens")
+    if note.get("left"):
+        parts.append("the client left")
+    parts.append(f"{seconds * 1e3:.0f} ms")
+    return f"{method} {path} {status or '-'}: {', '.join(parts)}"
 
 
 def too_large(limit: int) -> APIError:
