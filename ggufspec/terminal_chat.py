@@ -67,11 +67,15 @@ def run_chat(engine: SpeculativeEngine, settings: GenerationSettings, system: st
     while True:
         try:
             line = input(">>> ")
+            line.encode("utf-8")  # stdin's undecodable bytes come as surrogates, or as an error (by the locale)
         except EOFError:
             print(file=out)
             return
         except KeyboardInterrupt:  # as in a shell: drop the line, ask again
             print(file=out)
+            continue
+        except UnicodeError:
+            print("(that line is not UTF-8 text: set the terminal to UTF-8 and type it again)", file=err)
             continue
         text = line.strip()
         if not text:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 import sys
 
 import pexpect
@@ -131,3 +132,16 @@ def test_banner_help_and_an_answer_cut_at_n(smollm2_path) -> None:
     assert "(cut at 6 tokens: -n/--max-tokens)" in ask(child, "Write a long poem about the sea.")
     child.sendline("/exit")
     child.expect(pexpect.EOF)
+
+
+def test_a_line_that_is_not_utf8_is_refused_and_the_chat_goes_on(smollm2_path) -> None:
+    # piped input (a terminal's readline drops such bytes itself); by the locale, stdin decodes strictly or into
+    # surrogates
+    for lang in ("C.UTF-8", "C"):
+        r = subprocess.run([sys.executable, "-m", "ggufspec.cli", "chat", "-m", str(smollm2_path), "-n", "4"],
+                           input=b"caf\xe9\n/stats\nHi!\n/stats\n/exit\n", capture_output=True, timeout=120,
+                           env={**os.environ, "LANG": lang, "LC_ALL": lang})
+        err = r.stderr.decode()
+        assert r.returncode == 0 and "Traceback" not in err, err
+        assert "not UTF-8 text" in err and "(no answer yet)" in err  # refused, nothing answered
+        assert STATS.search(err)  # the next line was answered
