@@ -9,11 +9,10 @@ import json
 import re
 import sys
 
-import openai
 import pytest
 
 from ggufspec.server.api import REFUSED
-from test_server import QUESTION, Server
+from test_server import QUESTION, Server, client  # noqa: F401  (client: test_server's fixture, on this module's server)
 
 ALIAS = "smol"
 DEFAULT_MAX = 6  # the server's -n: what a request without a limit gets
@@ -25,11 +24,6 @@ def server(smollm2_path):
     yield s
     err = s.stop()
     assert "Traceback" not in err, err
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
 
 
 def post(server: Server, path: str, body: dict) -> tuple[int, dict, dict | list[dict]]:
