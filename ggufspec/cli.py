@@ -478,6 +478,9 @@ def bench(target, draft, preset, prompt_file, limit, per_category, methods, temp
         from .plots import pyplot
 
         pyplot()  # fail before the benchmark, not after it
+    for what, path in (("-o", output), ("--plot", plot_prefix)):  # the same: a missing folder would lose the runs
+        if path is not None and not Path(path).expanduser().resolve().parent.is_dir():
+            raise click.UsageError(f"{what} {path}: the folder {Path(path).expanduser().resolve().parent} does not exist.")
     cfg = BenchConfig(methods=tuple(methods), temperatures=tuple(temps) or (0.0,), max_tokens=max_tokens,
                       repeats=repeats, warmup=warmup, draft_max=draft_max, draft_p_min=draft_p_min, seed=seed,
                       fresh=fresh, medusa_tree=medusa_tree)

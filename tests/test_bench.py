@@ -3,6 +3,7 @@ the demo pair by default."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -228,3 +229,11 @@ def test_bench_takes_either_a_preset_or_a_model(tiny_target, tmp_path) -> None:
     assert r.exit_code == 2 and "not both" in r.output
     r = CliRunner().invoke(main, ["bench", "--preset", "no-such-preset", "-p", str(prompts)])
     assert r.exit_code == 2 and "unknown preset" in r.output
+
+
+def test_an_output_into_a_missing_folder_fails_before_the_benchmark(tmp_path) -> None:
+    (tmp_path / "p.txt").write_text("Hello\n")
+    plot = ("--plot",) if importlib.util.find_spec("matplotlib") else ()  # without it, --plot fails on that first
+    for option in ("-o", *plot):
+        r = CliRunner().invoke(main, ["bench", "-p", str(tmp_path / "p.txt"), option, str(tmp_path / "nowhere" / "out")])
+        assert r.exit_code == 2 and "does not exist" in r.output and "benchmarking" not in r.output, r.output
