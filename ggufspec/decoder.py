@@ -67,9 +67,9 @@ KV_TYPES = (*UNQUANTIZED_KV, "q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl")
 # tok/s on 739 tokens, 52-53 on 313), and their activations cut peak RSS by 56 MB on the 739-token prompt.
 CPU_UBATCH = 64
 # Batches of more tokens than this (prefills) run with llama_log.abort_check, so that Ctrl-C stops them between
-# graph nodes rather than after the whole batch; smaller ones (verification, single tokens) skip the check's call
-# into Python at every node.
-ABORTABLE_BATCH = 32
+# graph nodes rather than after the whole batch; smaller ones (verification chains and trees, Medusa's of up to 64
+# nodes, single tokens) skip the check's call into Python at every node.
+ABORTABLE_BATCH = 64
 
 
 @dataclass

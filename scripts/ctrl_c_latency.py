@@ -45,7 +45,7 @@ def check_cost(model: str, runs: int) -> None:
         seconds: dict[str, list[float]] = {"check": [], "none": []}
         for _ in range(runs):
             for mode in seconds:
-                decoder.ABORTABLE_BATCH = 32 if mode == "check" else 1 << 30
+                decoder.ABORTABLE_BATCH = 64 if mode == "check" else 1 << 30
                 d.rollback_to(0)
                 t = time.perf_counter()
                 d.feed(tokens, all_logits=False)
