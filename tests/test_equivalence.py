@@ -78,6 +78,7 @@ def smollm2_q4_0(smollm2_path, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_greedy_smollm2_with_a_requantized_draft(smollm2_path, smollm2_q4_0) -> None:
     with SpeculativeEngine.load(smollm2_path, smollm2_q4_0) as engine:
         assert engine.target.kv_type == "q8_0"
@@ -165,6 +166,7 @@ def test_greedy_auto_draft_trees(tiny_target, tiny_draft, monkeypatch) -> None:
     assert rate > 0.05
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method,prompt", [("vanilla", "Once upon a time"), ("lookup", "7 8 9 7 8 9 7 8 9 7")])
 def test_sampling_end_to_end_follows_the_target(tiny_target, tiny_draft, method, prompt) -> None:
     """First two tokens sampled with speculation follow the target's own (top-k, tempered) distribution.

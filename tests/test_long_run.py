@@ -6,6 +6,7 @@ import os
 import resource
 
 import numpy as np
+import pytest
 
 from conftest import open_decoder
 from ggufspec.decoder import DecoderOptions
@@ -29,6 +30,7 @@ def _kv_matches_history(d) -> bool:
     return d.kv_positions(0) == ((0, n - 1) if n else (-1, -1))
 
 
+@pytest.mark.slow
 def test_twenty_thousand_sampled_tokens_with_rollbacks(tiny_target, tiny_draft) -> None:
     checks = {"rollbacks": 0, "bad": 0}
     rss: list[float] = []
@@ -74,6 +76,7 @@ def test_twenty_thousand_sampled_tokens_with_rollbacks(tiny_target, tiny_draft) 
           f"checked, acceptance {result.stats.acceptance_rate:.1%}, RSS {rss[0]:.0f} -> {rss[-1]:.0f} MB")
 
 
+@pytest.mark.slow
 def test_open_close_cycles_leak_no_llama_cpp_handles(tiny_target, tiny_draft) -> None:
     def cycle() -> None:
         with SpeculativeEngine.load(tiny_target, tiny_draft, DecoderOptions(n_ctx=256)) as engine:

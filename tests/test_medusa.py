@@ -330,6 +330,7 @@ def test_auto_with_heads_verifies_every_guess_lookup_chose_unless_a_tree_runs(sm
     assert probes[0] >= 1 and verified[0] + withdrawn[0] == chosen[0], (probes, chosen, verified, withdrawn)
 
 
+@pytest.mark.slow
 def test_sampled_auto_with_heads_follows_the_target(tiny_target, random_heads, monkeypatch) -> None:
     """`auto` with heads when sampling: the first two tokens (each from a lookup guess, a tree or a plain pass) follow
     the target's tempered top-k distribution. Lookup's guesses are most of the steps judged here; the sizer soon

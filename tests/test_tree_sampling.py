@@ -154,6 +154,7 @@ class MemoDecoder:
         return logits
 
 
+@pytest.mark.slow
 def test_real_models_first_two_tokens_through_sampled_draft_trees(tiny_target, tiny_draft) -> None:
     params = SamplingParams(temperature=0.8, top_k=3)  # few continuations: the memo stays small
     target, draft = open_decoder(tiny_target, n_seq_max=8), open_decoder(tiny_draft)
