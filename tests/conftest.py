@@ -39,6 +39,17 @@ def smollm2_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_q4_0(smollm2_path, tmp_path_factory) -> Path:
+    """SmolLM2 requantized to Q4_0: a real second model close to the target but not equal, and the type llama.cpp
+    repacks on x86 (and AMX would take)."""
+    from ggufspec.convert.quantize import quantize
+
+    out = tmp_path_factory.mktemp("q4_0") / "SmolLM2-135M-Instruct.Q4_0.gguf"
+    quantize(smollm2_path, out, "q4_0", threads=2, allow_requantize=True)
+    return out
+
+
+@pytest.fixture(scope="session")
 def tokenizer_fields(smollm2_path):
     return read_tokenizer(smollm2_path)
 

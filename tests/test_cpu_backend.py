@@ -14,7 +14,6 @@ from click.testing import CliRunner
 from conftest import CPU_BACKEND, open_decoder
 from ggufspec import cpu_backend, kv_cache
 from ggufspec.cli import main
-from ggufspec.convert.quantize import quantize
 from ggufspec.decoder import kv_label
 from ggufspec.errors import GGUFSpecError
 
@@ -25,14 +24,6 @@ PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time, in a sm
 # single tokens agree bit for bit, which is what speculation relies on (test_equivalence).
 MEAN_DIFF_OF_SPREAD = 0.1
 MIN_ROW_CORRELATION = 0.99
-
-
-@pytest.fixture(scope="module")
-def smollm2_q4_0(smollm2_path, tmp_path_factory) -> Path:
-    """SmolLM2 requantized to Q4_0, the type llama.cpp repacks on x86 (and AMX would take)."""
-    out = tmp_path_factory.mktemp("q4_0") / "smollm2.Q4_0.gguf"
-    quantize(smollm2_path, out, "q4_0", threads=2, allow_requantize=True)
-    return out
 
 
 def batch_logits(path: Path, **options) -> tuple[np.ndarray, dict[str, float]]:

@@ -68,16 +68,6 @@ def test_greedy_tiny_pair_all_draft_lengths(tiny_target, tiny_draft) -> None:
     assert 0.05 < rate < 0.95, f"the test draft should agree only sometimes (acceptance {rate:.2f})"
 
 
-@pytest.fixture(scope="session")
-def smollm2_q4_0(smollm2_path, tmp_path_factory):
-    """A real second model: SmolLM2 requantized to Q4_0, close to the target but not equal."""
-    from ggufspec.convert.quantize import quantize
-
-    out = tmp_path_factory.mktemp("q4_0") / "SmolLM2-135M-Instruct.Q4_0.gguf"
-    quantize(smollm2_path, out, "q4_0", threads=2, allow_requantize=True)
-    return out
-
-
 @pytest.mark.slow
 def test_greedy_smollm2_with_a_requantized_draft(smollm2_path, smollm2_q4_0) -> None:
     with SpeculativeEngine.load(smollm2_path, smollm2_q4_0) as engine:
