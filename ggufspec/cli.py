@@ -369,10 +369,9 @@ def _check_method(method: str, draft: str | None, medusa_path: str | None) -> No
         raise click.UsageError(str(e)) from None
 
 
-def _from_preset(name: str, draft: str | None, medusa: str | None, method: str | None, draft_max: int, gpu: bool
-                 ) -> tuple[str, str | None, str | None, str, int]:
-    """Target (the preset's GPU/Metal or CPU file), draft, heads, method and draft length of a preset (fetched as
-    needed); what the user gave wins."""
+def _preset(name: str, draft_max: int, gpu: bool):
+    """A preset, its files resolved (fetched as needed) for a GPU/Metal or CPU run, and its draft length unless the
+    user gave --draft-max."""
     from .hub import get_preset, resolve
 
     p = get_preset(name)
@@ -381,6 +380,14 @@ def _from_preset(name: str, draft: str | None, medusa: str | None, method: str |
     r = resolve(p, gpu=gpu)
     if click.get_current_context().get_parameter_source("draft_max") == click.core.ParameterSource.DEFAULT:
         draft_max = p.draft_max
+    return p, r, draft_max
+
+
+def _from_preset(name: str, draft: str | None, medusa: str | None, method: str | None, draft_max: int, gpu: bool
+                 ) -> tuple[str, str | None, str | None, str, int]:
+    """Target (the preset's GPU/Metal or CPU file), draft, heads, method and draft length of a preset (fetched as
+    needed); what the user gave wins."""
+    p, r, draft_max = _preset(name, draft_max, gpu)
     method = method or p.method
     m = METHODS[method]
     if draft is None and m.uses_draft and r.draft is not None:
@@ -454,16 +461,11 @@ def bench(target, draft, preset, prompt_file, limit, per_category, methods, temp
     prompts = load_prompts(prompt_file, limit, per_category)  # a bad file fails before any model is fetched
     options = decoder_options(**model_opts)
     if target is None:  # as generate/chat/serve: the preset's files, the offline demo pair by default
-        from .hub import get_preset, resolve
-
         preset = preset or "demo"
-        p = get_preset(preset)
-        r = resolve(p, gpu=options.offloads)
+        _, r, draft_max = _preset(preset, draft_max, options.offloads)
         target = str(r.target)
         draft = draft or (str(r.draft) if r.draft else None)
         medusa_path = medusa_path or (str(r.medusa) if r.medusa else None)
-        if click.get_current_context().get_parameter_source("draft_max") == click.core.ParameterSource.DEFAULT:
-            draft_max = p.draft_max
     elif preset is not None:
         raise click.UsageError("give either --preset NAME or -m TARGET.gguf, not both.")
     if replay:
