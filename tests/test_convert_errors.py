@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("tokenizers")
 
 from convert_fixtures import train_bpe_tokenizer, write_safetensors, write_tiny_model  # noqa: E402
-from ggufspec.convert import writing  # noqa: E402
+from ggufspec import gguf_write as writing  # noqa: E402
 from ggufspec.convert.hf import convert_hf  # noqa: E402
 from ggufspec.errors import ConversionError, GGUFSpecError, ModelFileError  # noqa: E402
 

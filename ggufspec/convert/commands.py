@@ -9,7 +9,7 @@ from typing import Callable, Iterator
 
 import click
 
-from ggufspec.convert.writing import OUT_TYPES
+from ggufspec.gguf_write import OUT_TYPES
 
 
 @contextmanager

@@ -15,7 +15,7 @@ from gguf import MODEL_ARCH, MODEL_ARCH_NAMES, MODEL_TENSOR, GGUFWriter, RopeSca
 from ggufspec.convert.checkpoint import TensorRef, checkpoint_files, load_checkpoint
 from ggufspec.convert.vocab import VocabData, load_gguf_vocab, load_hf_vocab
 from ggufspec.outputs import refuse_overwriting_inputs
-from ggufspec.convert.writing import OUT_TYPES, PlannedTensor, storage_type, write_gguf
+from ggufspec.gguf_write import OUT_TYPES, PlannedTensor, storage_type, write_gguf
 from ggufspec.errors import ConversionError, ModelFileError
 
 # HF architecture -> (GGUF architecture, whether Q/K rows must be permuted from HF's rotate-half layout

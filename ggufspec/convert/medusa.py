@@ -1,5 +1,5 @@
-"""Medusa heads (FasterDecoding v1/v2 checkpoints) -> GGUF, in the layout `ggufspec.medusa.heads` reads (its
-docstring has the table of keys and tensor names).
+"""Medusa heads (FasterDecoding v1/v2 checkpoints) -> ggufspec's Medusa GGUF: this module reads the checkpoint
+(tensor names, config.json) and checks it; `ggufspec.medusa.format` writes the GGUF (its docstring has the layout).
 """
 
 from __future__ import annotations
@@ -11,16 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from gguf import GGUFWriter
-
 from ggufspec.convert.checkpoint import TensorRef, open_tensor_file
-from ggufspec.outputs import refuse_overwriting_inputs
-from ggufspec.convert.writing import OUT_TYPES, PlannedTensor, storage_type, write_gguf
 from ggufspec.errors import ConversionError, ModelFileError
-from ggufspec.medusa.heads import (
-    ARCH, KEY_BASE_MODEL, KEY_HEAD_COUNT, KEY_HIDDEN_SIZE, KEY_LAYER_COUNT, KEY_TREE, KEY_VERSION, KEY_VOCAB_SIZE,
-    lm_head_name, res_bias_name, res_weight_name,
-)
+from ggufspec.medusa.format import MedusaMeta, MedusaTensor, TensorSpec, check_outtype, tensor_layout, write_medusa_gguf
+from ggufspec.outputs import refuse_overwriting_inputs
 from ggufspec.trees import TreeError, build_tree
 
 SOURCE_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt", "medusa_lm_head.bin")
@@ -97,10 +91,12 @@ def convert_medusa(
     """Convert a FasterDecoding Medusa head set (folder or weights file) to the GGUF file `out`.
 
     `out` must not be, or link to, the weights file or config.json read: that is refused before anything is
-    written. The output is written atomically (`write_gguf`).
+    written. ConversionError for a checkpoint that is not a Medusa head set (names, shapes, a config.json tree
+    that is not one or is deeper than the heads); the report's warnings name what config.json misstates and the
+    tensors stored in another type than `outtype`. The output is written atomically, one tensor loaded at a time
+    (`format.write_medusa_gguf`); `progress` gets each tensor's source bytes once it is written.
     """
-    if outtype not in ("f32", "f16", "q8_0"):
-        raise ConversionError(f"unknown output type {outtype!r} for Medusa heads; choose f16, f32 or q8_0")
+    check_outtype(outtype)
     start = time.perf_counter()
     refuse_overwriting_inputs(Path(out), source_paths(src))
     weights, cfg = find_source(src)
@@ -123,24 +119,6 @@ def convert_medusa(
 
     hidden = parts[(0, 0, "linear.weight")].shape[0] if layers else lm_heads[0].shape[1]
     vocab = lm_heads[0].shape[0] if lm_heads else int(vocab_size or cfg.get("vocab_size") or 0)
-    plan: list[PlannedTensor] = []
-
-    def add(name: str, ref: TensorRef, want: tuple[int, ...]) -> None:
-        if tuple(ref.shape) != want:
-            raise ConversionError(f"{weights}: tensor {ref.name!r} has shape {list(ref.shape)}, expected {list(want)}")
-        qtype, note = storage_type(want, outtype)
-        if note:
-            warnings.append(f"{name}: {note}")
-        plan.append(PlannedTensor(name, want, qtype, ref.load, ref.nbytes, note))
-
-    for i in range(heads):
-        for j in range(layers):
-            add(res_weight_name(i, j), parts[(i, j, "linear.weight")], (hidden, hidden))
-            add(res_bias_name(i, j), parts[(i, j, "linear.bias")], (hidden,))
-        if lm_heads:
-            add(lm_head_name(i), lm_heads[i], (vocab, hidden))
-
-    base = base_model or cfg.get("base_model_name_or_path") or cfg.get("base_model") or ""
     choices = cfg.get("medusa_choices")
     if choices is not None:
         try:
@@ -149,19 +127,18 @@ def convert_medusa(
             raise ConversionError(f"{src}: config.json's medusa_choices is not a tree ({e})") from None
         if tree.n_heads > heads:
             raise ConversionError(f"{src}: config.json's medusa_choices is {tree.n_heads} deep; there are {heads} heads")
+    base = base_model or cfg.get("base_model_name_or_path") or cfg.get("base_model") or ""
+    meta = MedusaMeta(version, heads, layers, hidden, vocab, base, choices, name=Path(src).resolve().name)
 
-    def metadata(w: GGUFWriter) -> None:
-        w.add_name(Path(src).resolve().name)
-        w.add_file_type(int(OUT_TYPES[outtype][1]))
-        w.add_uint32(KEY_VERSION, version)
-        w.add_uint32(KEY_HEAD_COUNT, heads)
-        w.add_uint32(KEY_LAYER_COUNT, layers)
-        w.add_uint32(KEY_HIDDEN_SIZE, hidden)
-        w.add_uint32(KEY_VOCAB_SIZE, vocab)
-        if base:
-            w.add_string(KEY_BASE_MODEL, base)
-        if choices is not None:
-            w.add_string(KEY_TREE, json.dumps(choices, separators=(",", ":")))
+    # every tensor the layout needs, from the checkpoint, its shape checked before anything is written
+    source: dict[TensorSpec, TensorRef] = {}
+    for spec in tensor_layout(meta):
+        kind = {MedusaTensor.RES_WEIGHT: "linear.weight", MedusaTensor.RES_BIAS: "linear.bias"}.get(spec.kind, "weight")
+        ref = parts[(spec.head, spec.layer, kind)]
+        if tuple(ref.shape) != spec.shape:
+            raise ConversionError(f"{weights}: tensor {ref.name!r} has shape {list(ref.shape)}, expected {list(spec.shape)}")
+        source[spec] = ref
 
-    write_gguf(Path(out), ARCH, metadata, plan, progress)
+    done = None if progress is None else (lambda spec: progress(source[spec].nbytes))
+    warnings += write_medusa_gguf(Path(out), meta, lambda spec: source[spec].load(), outtype, done)
     return MedusaReport(Path(out), version, heads, layers, hidden, vocab, warnings, time.perf_counter() - start)

@@ -42,24 +42,25 @@ def medusa() -> None:
               "(default: v2 heads that share the target's, much smaller).")
 @click.option("--outtype", type=click.Choice(["f16", "f32", "q8_0"]), default="f16", show_default=True)
 @click.option("--checkpoint-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
-              help="Where to write the FasterDecoding checkpoint (default: OUT without .gguf, + '-checkpoint').")
+              help="Also write the heads as a FasterDecoding checkpoint (medusa_lm_head.safetensors + config.json, "
+              "for the Medusa authors' code) in this folder (default: none).")
 @click.option("-t", "--threads", type=click.IntRange(1), default=None, help="llama.cpp threads for collection.")
 def train_cmd(target: Path, out: Path, prompts: Path | None, text_file: Path | None, data_cache: Path | None,
               heads: int, max_new: int, parallel: int, no_chat: bool, epochs: int, batch: int, lr: float,
               weight_decay: float, soft_weight: float, tree_nodes: int, own_lm_head: bool, outtype: str,
               checkpoint_dir: Path | None, threads: int | None) -> None:
     """Collect hidden states of TARGET, train Medusa heads on them, and write the heads to OUT (GGUF)."""
-    ckpt = checkpoint_dir or out.with_name(out.stem + "-checkpoint")
     # before hours of work, not after, and before importing llama.cpp
-    _refuse_clobbering(out, ckpt, [target, prompts, text_file, data_cache])
+    _refuse_clobbering(out, checkpoint_dir, [target, prompts, text_file, data_cache])
 
-    from ..convert.medusa import convert_medusa
     from ..trees import DEFAULT_TREE, TREES
+    from .checkpoint import save_checkpoint
     from .fit import fit_heads_tree, tree_accepted
+    from .format import HeadSet, write_heads
     from .heads import Heads, MedusaHeads, target_lm_head
     from .train import (
         Corpus, TrainConfig, chat_tokens, collect_generations, collect_text, held_out, open_for_collection,
-        read_prompts, save_checkpoint, train_heads, training_pairs,
+        read_prompts, train_heads, training_pairs,
     )
 
     say = _printer()
@@ -105,13 +106,17 @@ def train_cmd(target: Path, out: Path, prompts: Path | None, text_file: Path | N
             choices = None
             say(f"tree: the heads ranked no held-out token high enough ({len(ranks)} positions); none stored, "
                 f"generate will use {DEFAULT_TREE}", force=True)
-    save_checkpoint(ckpt, blocks, [lm] * heads if own_lm_head else None, base_model=target.name, vocab_size=lm.shape[0],
-                    choices=choices)
-    rep = convert_medusa(ckpt, out, outtype)
+    lm_heads = [lm] * heads if own_lm_head else None
+    trained_set = HeadSet(1 if own_lm_head else 2, lm.shape[1], lm.shape[0], target.name, blocks, lm_heads, choices,
+                          name=out.stem)
+    for note in write_heads(out, trained_set, outtype):
+        say(f"note: {note}", force=True)
+    if checkpoint_dir is not None:
+        save_checkpoint(checkpoint_dir, blocks, lm_heads, base_model=target.name, vocab_size=lm.shape[0], choices=choices)
     tops = " ".join(f"{history[f'top1_head{i}'][-1]:.1%}" for i in range(heads))
-    click.echo(f"wrote {out}: {heads} heads (v{rep.version}), validation top-1 per head {tops}; "
-               f"training {time.perf_counter() - t_train:.0f} s, total {time.perf_counter() - start:.0f} s; "
-               f"checkpoint in {ckpt}")
+    click.echo(f"wrote {out}: {heads} heads (v{trained_set.version}), validation top-1 per head {tops}; "
+               f"training {time.perf_counter() - t_train:.0f} s, total {time.perf_counter() - start:.0f} s"
+               + (f"; checkpoint in {checkpoint_dir}" if checkpoint_dir is not None else ""))
 
 
 @medusa.command("tree")
@@ -144,19 +149,20 @@ def tree_cmd(target: Path, heads_path: Path, data: Path, out: Path, nodes: int) 
                f"({DEFAULT_TREE}: ~{1 + tree_accepted(ranks, TREES[DEFAULT_TREE]):.2f})")
 
 
-def _refuse_clobbering(out: Path, ckpt: Path, inputs: list[Path | None]) -> None:
-    """Raise ConversionError when OUT or a checkpoint file `train` writes is, or links to, one of `inputs` (TARGET,
-    --prompts, --text, --data), when OUT is the checkpoint folder, or when OUT's folder is missing."""
-    from ..convert.medusa import SOURCE_FILES
-    from ..outputs import check_output_path, refuse_overwriting_inputs, same_file
+def _refuse_clobbering(out: Path, ckpt: Path | None, inputs: list[Path | None]) -> None:
+    """Raise ConversionError when OUT or a checkpoint file `train` writes (with --checkpoint-dir CKPT) is, or links
+    to, one of `inputs` (TARGET, --prompts, --text, --data), when OUT is the checkpoint folder, or when OUT's folder
+    is missing."""
     from ..errors import ConversionError
+    from ..outputs import check_output_path, refuse_overwriting_inputs, same_file
+    from .checkpoint import CHECKPOINT_FILES
 
     check_output_path(out)
-    written = [ckpt / SOURCE_FILES[0], ckpt / "config.json"]  # what save_checkpoint writes
+    written = [] if ckpt is None else [ckpt / name for name in CHECKPOINT_FILES]
     refuse_overwriting_inputs(out, [*inputs, *written])
     for path in written:
         refuse_overwriting_inputs(path, inputs)
-    if same_file(out, ckpt):
+    if ckpt is not None and same_file(out, ckpt):
         raise ConversionError(f"{out}: is also the checkpoint folder (--checkpoint-dir); choose another file name")
 
 

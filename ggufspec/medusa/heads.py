@@ -11,63 +11,40 @@ rows of the LM heads, sliced once at load: each step multiplies by H x N instead
 top-k are mapped back to real token ids. The target's special/control tokens always stay in the set.
 Exactness does not depend on it (the target verifies every proposal); only acceptance can drop.
 
-GGUF layout of a Medusa head set (`ggufspec convert medusa` writes it, `load_medusa_gguf` reads it):
-
-| what                                   | key / tensor name              | type / shape (numpy order)  |
-|----------------------------------------|--------------------------------|-----------------------------|
-| architecture                           | general.architecture = "medusa"| string                      |
-| checkpoint format version (1 or 2)     | medusa.version                 | uint32                      |
-| number of heads                        | medusa.head_count              | uint32                      |
-| ResBlocks per head                     | medusa.layer_count             | uint32                      |
-| hidden size of the base model          | medusa.hidden_size             | uint32                      |
-| vocabulary size (0: unknown, v2 only)  | medusa.vocab_size              | uint32                      |
-| base model name or path                | medusa.base_model              | string (may be absent)      |
-| candidate tree fitted to these heads   | medusa.tree                    | string, JSON choices (may be absent) |
-| ResBlock j of head i: weight           | medusa.{i}.res.{j}.weight      | [hidden, hidden]            |
-| ResBlock j of head i: bias             | medusa.{i}.res.{j}.bias        | [hidden], f32               |
-| head i's own LM head (v1 only)         | medusa.{i}.lm_head.weight      | [vocab, hidden]             |
+The GGUF layout of a head set, and its reader and writers, are in `format.py`; this module re-exports the
+names other modules import from here (ARCH, the KEY_* names, `load_medusa_gguf`).
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, quants
+from gguf import GGMLQuantizationType, quants
 
 from ..errors import ModelFileError
 from ..gguf_check import GGUFHeader, TensorInfo, read_header
-from ..trees import TreeError, build_tree
 from .candidates import CandidateVocabError, Candidates, candidate_ids
+from .format import ARCH, HeadSet, Keys, read_heads
 
-if TYPE_CHECKING:  # not at run time: the converter reads this module's names without loading llama.cpp
+if TYPE_CHECKING:  # not at run time: the converter and `medusa train` import this module without loading llama.cpp
     from ..decoder import DecoderOptions
 
-ARCH = "medusa"
-KEY_VERSION = "medusa.version"
-KEY_HEAD_COUNT = "medusa.head_count"
-KEY_LAYER_COUNT = "medusa.layer_count"
-KEY_HIDDEN_SIZE = "medusa.hidden_size"
-KEY_VOCAB_SIZE = "medusa.vocab_size"
-KEY_BASE_MODEL = "medusa.base_model"
-KEY_TREE = "medusa.tree"  # JSON choices fitted to these heads (config.json's medusa_choices); optional
+__all__ = ["ARCH", "Heads", "MedusaHeads", "ResBlocks", "heads_memory", "load_medusa_gguf", "medusa_decoder_options",
+           "target_lm_head"]
 
-
-def res_weight_name(head: int, layer: int) -> str:
-    return f"medusa.{head}.res.{layer}.weight"
-
-
-def res_bias_name(head: int, layer: int) -> str:
-    return f"medusa.{head}.res.{layer}.bias"
-
-
-def lm_head_name(head: int) -> str:
-    return f"medusa.{head}.lm_head.weight"
+# the old flat names of the metadata keys, for modules that read them from here (convert/inspect.py)
+KEY_VERSION = Keys.VERSION
+KEY_HEAD_COUNT = Keys.HEAD_COUNT
+KEY_LAYER_COUNT = Keys.LAYER_COUNT
+KEY_HIDDEN_SIZE = Keys.HIDDEN_SIZE
+KEY_VOCAB_SIZE = Keys.VOCAB_SIZE
+KEY_BASE_MODEL = Keys.BASE_MODEL
+KEY_TREE = Keys.TREE
 
 
 @dataclass(frozen=True)
@@ -109,21 +86,13 @@ class ResBlocks:
         return x
 
 
-@dataclass
-class MedusaHeads:
-    """A Medusa head set loaded from GGUF as float32 arrays."""
+class MedusaHeads(HeadSet):
+    """A Medusa head set as float32 arrays (`load_medusa_gguf`), with the reference products of its heads."""
 
-    version: int
-    hidden: int
-    vocab: int
-    base_model: str
-    res: list[list[tuple[np.ndarray, np.ndarray]]]  # res[i][j] = (W [hidden, hidden], b [hidden])
-    lm_heads: list[np.ndarray] | None  # v1: [vocab, hidden] per head; v2: None
-    choices: list[list[int]] | None = None  # the candidate tree fitted to these heads, if the file has one
-
-    @property
-    def heads(self) -> int:
-        return len(self.res)
+    @classmethod
+    def of(cls, heads: HeadSet) -> MedusaHeads:
+        """The same head set (its arrays shared, not copied)."""
+        return cls(**{f.name: getattr(heads, f.name) for f in fields(heads)})
 
     def hidden_states(self, h: np.ndarray) -> list[np.ndarray]:
         """Each head's output hidden state for base hidden states h ([..., hidden])."""
@@ -141,54 +110,9 @@ class MedusaHeads:
 
 
 def load_medusa_gguf(path: Path) -> MedusaHeads:
-    """Read a Medusa GGUF written by convert_medusa (any of its storage types) into float32 arrays;
-    ModelFileError for anything damaged."""
-    path = Path(path)
-    read_header(path)  # bounds-checked first: gguf-py's reader indexes past the end of damaged tables
-    try:
-        return _read_medusa(path)
-    except (OSError, ValueError, TypeError, IndexError, KeyError, OverflowError, NotImplementedError) as e:
-        # NotImplementedError: gguf-py cannot dequantize the type a tensor claims (Q8_1, say)
-        raise ModelFileError(f"{path}: damaged Medusa GGUF ({type(e).__name__}: {e})") from None
-
-
-def _read_medusa(path: Path) -> MedusaHeads:
-    r = GGUFReader(path)
-
-    def get(key: str, default=None):
-        f = r.get_field(key)
-        return default if f is None else f.contents()
-
-    if get("general.architecture") != ARCH:
-        raise ModelFileError(f"{path}: not a Medusa GGUF (general.architecture is {get('general.architecture')!r})")
-    tensors = {t.name: t for t in r.tensors}
-
-    def arr(name: str) -> np.ndarray:
-        if name not in tensors:
-            raise ModelFileError(f"{path}: tensor {name} is missing")
-        t = tensors[name]
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        return np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
-
-    heads, layers, version = int(get(KEY_HEAD_COUNT)), int(get(KEY_LAYER_COUNT)), int(get(KEY_VERSION))
-    res = [[(arr(res_weight_name(i, j)), arr(res_bias_name(i, j))) for j in range(layers)] for i in range(heads)]
-    lm = [arr(lm_head_name(i)) for i in range(heads)] if version == 1 else None
-    choices = get(KEY_TREE)
-    if choices is not None:
-        try:
-            choices = json.loads(choices)
-            build_tree(choices)
-        except (TreeError, TypeError, ValueError) as e:
-            raise ModelFileError(f"{path}: its {KEY_TREE} is not a candidate tree ({e})") from None
-    hidden = int(get(KEY_HIDDEN_SIZE))
-    for i, head in enumerate(res):
-        for j, (w, b) in enumerate(head):
-            if w.shape != (hidden, hidden) or b.shape != (hidden,):
-                raise ModelFileError(f"{path}: head {i} layer {j} has shapes {list(w.shape)} and {list(b.shape)}, "
-                                     f"not [{hidden}, {hidden}] and [{hidden}]")
-    if lm and any(m.shape != (lm[0].shape[0], hidden) for m in lm):
-        raise ModelFileError(f"{path}: its output heads differ in shape: {[list(m.shape) for m in lm]}")
-    return MedusaHeads(version, hidden, int(get(KEY_VOCAB_SIZE)), str(get(KEY_BASE_MODEL, "")), res, lm, choices)
+    """Read a Medusa GGUF (`format.read_heads`: any storage type, float32 arrays); ModelFileError for anything
+    damaged."""
+    return MedusaHeads.of(read_heads(Path(path)))
 
 
 TREE_SEQUENCES = 64  # n_seq_max for Medusa contexts: trees of up to 63 leaves (the 63-node tree has 42)
@@ -222,7 +146,7 @@ def heads_memory(heads_path: str | Path, target: GGUFHeader,
     """RAM Heads.load adds beyond the GGUF files, as (what, bytes) for check_memory: the float32 [hidden, vocab]
     copy of the target's output matrix that v2 heads keep with the whole vocabulary; nothing for v1 heads or a
     restricted candidate vocabulary."""
-    if candidates is not None or read_header(heads_path).metadata.get(KEY_VERSION) == 1:
+    if candidates is not None or read_header(heads_path).metadata.get(Keys.VERSION) == 1:
         return []
     t = _lm_head_tensor(target)
     return [] if t is None else [("Medusa heads' float32 copy of the output matrix", 4 * math.prod(t.shape))]

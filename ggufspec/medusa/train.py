@@ -2,8 +2,8 @@
 
 Data: the target's own greedy answers to a prompt set (self-distillation, what the heads see at run
 time), and/or plain text. Row i of a sequence holds the final-norm hidden state after token i and
-token i; head k learns token i + k + 2 from hidden state i. The heads are written as a
-FasterDecoding checkpoint (medusa_lm_head.safetensors + config.json) and converted to GGUF.
+token i; head k learns token i + k + 2 from hidden state i. `medusa train` writes the trained heads to GGUF
+through `format.write_heads` (and, when asked, also as a FasterDecoding checkpoint: `checkpoint.save_checkpoint`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import numpy as np
 from ..chat import chat_tokens as _chat_tokens
 from ..decoder import DecoderOptions, LlamaCppDecoder
 from ..errors import GGUFSpecError
+from .checkpoint import save_checkpoint  # noqa: F401  (its old home: callers import it from here)
 from .heads import ResBlocks
 
 Progress = Callable[[str], None]
@@ -150,39 +151,6 @@ def open_for_collection(path: Path, n_parallel: int, max_len: int, threads: int 
     return LlamaCppDecoder(path, DecoderOptions(
         n_ctx=n_parallel * max_len, n_batch=max(512, max_len), embeddings=True, n_seq_max=n_parallel, n_threads=threads,
     ))
-
-
-def save_checkpoint(
-    out_dir: Path, res: list[list[tuple[np.ndarray, np.ndarray]]], lm_heads: list[np.ndarray] | None = None,
-    base_model: str = "", vocab_size: int = 0, choices: list[list[int]] | None = None,
-) -> Path:
-    """Write a FasterDecoding checkpoint: medusa_lm_head.safetensors ({i}.{j}.linear.weight|bias, {i}.{L}.weight) + config.json
-    (with `medusa_choices`, the candidate tree fitted to the heads, when given)."""
-    from safetensors.numpy import save_file
-
-    from ..outputs import temp_output
-
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tensors: dict[str, np.ndarray] = {}
-    for i, blocks in enumerate(res):
-        for j, (w, b) in enumerate(blocks):
-            tensors[f"{i}.{j}.linear.weight"] = np.ascontiguousarray(w, dtype=np.float32)
-            tensors[f"{i}.{j}.linear.bias"] = np.ascontiguousarray(b, dtype=np.float32)
-        if lm_heads is not None:
-            tensors[f"{i}.{len(blocks)}.weight"] = np.ascontiguousarray(lm_heads[i], dtype=np.float32)
-    with temp_output(out_dir / "medusa_lm_head.safetensors") as tmp:  # no half-written checkpoint on failure
-        save_file(tensors, str(tmp))
-    config = {
-        "medusa_num_heads": len(res), "medusa_num_layers": len(res[0]) if res else 0,
-        "version": 1 if lm_heads is not None else 2, "base_model_name_or_path": base_model,
-        "hidden_size": int(res[0][0][0].shape[0]) if res and res[0] else 0, "vocab_size": vocab_size,
-    }
-    if choices is not None:
-        config["medusa_choices"] = choices
-    with temp_output(out_dir / "config.json") as tmp:
-        tmp.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    return out_dir
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """Streaming GGUF output: tensors encoded one at a time into a temp file, renamed into place only when complete
-(through `outputs.temp_output`)."""
+(through `outputs.temp_output`). Shared by the converters (`convert/`) and the Medusa format (`medusa/format.py`),
+so it imports neither."""
 
 from __future__ import annotations
 
