@@ -9,33 +9,20 @@ best draft length is found by measuring, not assumed.
 from __future__ import annotations
 
 import bisect
-import contextlib
-import functools
 import json
 import math
-import os
-import platform
-import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
-from typing import Any
-
-import llama_cpp
 
 from .decoder import Decoder, LlamaCppDecoder
-from .errors import GGUFSpecError
-from .outputs import temp_output
-
-try:
-    import fcntl
-except ImportError:  # Windows
-    fcntl = None
+# the cache files and the machine key: machine_cache, shared with kv_cache (costs_path stays importable from here)
+from .machine_cache import costs_path, machine, read_entry, write_table
+from .machine_cache import json_type as _json_type
 
 # Costs are learned per context size: up to this many cached tokens, twice as many, four times... (past 256
-# cached tokens llama.cpp's CPU flash attention decodes a batch with other kernels than one token: measured
-# on the Xeon here, a 4-token batch cost 1.29 decodes after 32 tokens of context and 1.89 after 500)
+# cached tokens llama.cpp's CPU flash attention decodes a batch with other kernels than one token, and a batch's
+# price against a decode changes: docs/methods.md, "Where the constants come from")
 CONTEXT_SIZE = 256
 # Long batches measured for prompt lookup's long guesses (where the text copies its context): the draft
 # lengths they hold are one less. At most llama.cpp's CPU micro-batch (decoder.CPU_UBATCH), so one pass.
@@ -179,13 +166,9 @@ def measure(target: LlamaCppDecoder, draft: Decoder | None, k_max: int, repeats:
 MAX_SPREAD = 1.5  # a measurement noisier than this is used for this run but not cached
 
 
-def costs_path() -> Path:
-    return Path(os.environ.get("GGUFSPEC_CACHE", Path.home() / ".cache" / "ggufspec")) / "costs.json"
-
-
 def cached_measure(target: LlamaCppDecoder, draft: LlamaCppDecoder | None, k_max: int) -> CostModel:
-    """measure(), remembered per model files, thread settings, CPU and llama.cpp build in
-    ~/.cache/ggufspec/costs.json (a home shared by different machines must not share their costs).
+    """measure(), remembered per model files, thread settings, CPU and llama.cpp build (machine_cache.machine: a
+    home shared by different machines must not share their costs) in machine_cache.costs_path().
 
     A cached entry is used only when check_costs passes it: a bad one is reported on stderr, measured again and
     written over, so what the cache holds never makes a run fail."""
@@ -229,106 +212,6 @@ def check_costs(entry: object, k_max: int) -> str | None:
 def _seconds(x: object) -> bool:
     """A time as measure() writes one: a float, finite (json reads NaN and Infinity too) and above 0."""
     return type(x) is float and math.isfinite(x) and x > 0
-
-
-def _json_type(value: object) -> str:
-    """The JSON name of a parsed value's type, for notices."""
-    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
-    return names.get(type(value), "a number")
-
-
-def notice(message: str) -> None:
-    """One line on stderr about the cache (the run goes on)."""
-    print(f"ggufspec: {message}", file=sys.stderr)
-
-
-def read_entry(path: Path, key: str, check: Callable[[object], str | None]) -> Any:
-    """The value at `key` in the table at `path`; None when it is missing or `check` (what is wrong with a value,
-    or None) rejects it, which a notice on stderr then says: the caller measures again and writes over it."""
-    table = read_table(path)
-    if key not in table:
-        return None
-    why = check(table[key])
-    if why is not None:
-        notice(f"ignoring a bad entry in {path} ({why}); measuring again")
-        return None
-    return table[key]
-
-
-def read_table(path: Path) -> dict:
-    """A JSON table of measurements kept per machine and settings; empty when missing or unreadable, and when it is
-    not a JSON object (said on stderr: the next measurement written replaces it)."""
-    table, why = _load(path)
-    if why is not None:
-        notice(f"ignoring {path} ({why}); measuring again")
-    return table
-
-
-def _load(path: Path) -> tuple[dict, str | None]:
-    """The table at `path` and, when its content is not a JSON object, why (the table is then empty)."""
-    try:
-        data = path.read_bytes()
-    except OSError:
-        return {}, None  # missing or unreadable: a re-measurement, silently
-    try:
-        table = json.loads(data)
-    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError; deep nesting exhausts the parser
-        return {}, "not JSON"
-    if not isinstance(table, dict):
-        return {}, f"expected a JSON object, found {_json_type(table)}"
-    return table, None
-
-
-def write_table(path: Path, entries: dict) -> None:
-    """Merge `entries` into the table at `path`, keeping what other processes wrote since this one read it.
-
-    Under an exclusive lock on a sidecar `.lock` file the table is read again, updated and replaced in one step
-    (a reader never sees half a file). A read-only or full cache folder only costs a re-measurement next time:
-    failures are silent and leave no temporary file behind."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with _locked(path):
-            table, _ = _load(path)  # a file that is not a table was reported when read, and is replaced
-            table.update(entries)
-            with temp_output(path) as tmp:  # replaced in one step; the temp file removed whatever fails
-                tmp.write_text(json.dumps(table))
-    except (OSError, GGUFSpecError):  # temp_output reports a failed write as a ConversionError
-        pass
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """Holds an exclusive lock on `path`'s sidecar `.lock` file (without fcntl, on Windows: no lock, and of two
-    processes writing at once the last one's table wins)."""
-    if fcntl is None:
-        yield
-        return
-    with open(path.with_name(path.name + ".lock"), "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file is closed, or when the process dies
-        yield
-
-
-@functools.cache
-def cpu_info() -> dict[str, str]:
-    """The first CPU's fields in /proc/cpuinfo ("model name", "cpu family", ...); empty where there is none."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            first_cpu = f.read().split("\n\n")[0]
-    except OSError:
-        return {}
-    return {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in first_cpu.splitlines() if ":" in line)}
-
-
-@functools.cache
-def machine() -> str:
-    """What sets batch costs besides the model: the CPU (name, family, model) and llama.cpp's build and features.
-
-    Three CPUs seen here priced a 4-token batch at 1.6, 2.3 and 2.6 single-token decodes."""
-    cpu = [platform.machine(), platform.processor()]
-    fields = cpu_info()
-    if fields:
-        cpu += [fields.get(k, "") for k in ("model name", "cpu family", "model")]
-    return " | ".join(cpu + [llama_cpp.__version__, llama_cpp.llama_print_system_info().decode(errors="replace").strip()])
 
 
 def _identity(d: LlamaCppDecoder) -> list[object]:

@@ -19,7 +19,7 @@ import llama_cpp
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from . import cpu_backend, llama_log
+from . import cpu_backend, kv_cache, llama_log
 from .errors import ContextLengthError, GGUFSpecError, ModelFileError
 from .gguf_check import read_header
 from .llama_batch import Batch
@@ -55,16 +55,16 @@ class Decoder(Protocol):
     def tree_logits(self, tokens: Sequence[int], parents: Sequence[int]) -> np.ndarray:
         """Logits (n, V) of tree nodes after the history in one pass; parents[i] < i, -1 for the roots."""
 
-    def commit_tree_path(self, path: Sequence[int]) -> None:
-        """After tree_logits: append the nodes of `path` (root to node) to the history, drop the rest
-        (nodes that would break the cache's position order are deferred: see n_deferred)."""
+    def commit_tree_path(self, path: Sequence[int]) -> int:
+        """After tree_logits: append the nodes of `path` (root to node) to the history, drop the rest; return how
+        many of the history's last tokens are deferred (nodes that would break the cache's position order: not in
+        the KV cache yet, the next decode carries them in front of its batch)."""
 
 
 # KV cache types llama.cpp accepts (its --cache-type-k/-v); all but the unquantized need flash attention.
-UNQUANTIZED_KV = ("f16", "bf16", "f32")
-KV_TYPES = (*UNQUANTIZED_KV, "q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl")
-# On CPU a prefill runs about as fast in 64-token micro-batches as in 512-token ones (bench target: 42-45
-# tok/s on 739 tokens, 52-53 on 313), and their activations cut peak RSS by 56 MB on the 739-token prompt.
+from .kv_types import KV_TYPES, UNQUANTIZED_KV  # noqa: E402  (apart, for the command line)
+# On CPU a prefill runs about as fast in 64-token micro-batches as in 512-token ones, and their activations take
+# less memory (docs/memory.md)
 CPU_UBATCH = 64
 # Batches of more tokens than this (prefills) run with llama_log.abort_check, so that Ctrl-C stops them between
 # graph nodes rather than after the whole batch; smaller ones (verification chains and trees, Medusa's of up to 64
@@ -74,7 +74,10 @@ ABORTABLE_BATCH = 64
 
 @dataclass
 class DecoderOptions:
-    """llama.cpp context settings. n_seq_max > 1 enables tree batches (kv_unified)."""
+    """llama.cpp context settings. n_seq_max > 1 enables tree batches (kv_unified).
+
+    Reading them (properties included) does no I/O. The one setting that depends on this machine, the default V
+    cache type on CPU, is chosen by the explicit step `resolved()`, which LlamaCppDecoder runs when it loads."""
 
     n_ctx: int = 4096
     n_batch: int = 512
@@ -93,6 +96,9 @@ class DecoderOptions:
     n_seq_max: int = 1
     verbose: bool = False
     memory_check: bool = True  # refuse models whose weights + KV exceed the available RAM
+    # the default V type on CPU, this machine's choice (q8_0 or f16): set by resolved(); kv_type_v still says what
+    # the user asked for (a default that llama.cpp cannot build falls back to f16, an asked type fails)
+    cpu_v_type: str | None = None
 
     def __post_init__(self) -> None:
         if self.n_ctx < 1:
@@ -109,6 +115,8 @@ class DecoderOptions:
                 raise ValueError(f"{name} must be one of {', '.join(KV_TYPES)}, got {value!r}")
             if value not in (None, *UNQUANTIZED_KV) and self.flash_attn is False:
                 raise ValueError(f"a {value} KV cache needs flash attention (llama.cpp quantizes V only there)")
+        if self.cpu_v_type is not None and self.cpu_v_type not in kv_cache.V_TYPES:
+            raise ValueError(f"cpu_v_type must be one of {', '.join(kv_cache.V_TYPES)}, got {self.cpu_v_type!r}")
 
     @property
     def micro_batch(self) -> int:
@@ -131,18 +139,36 @@ class DecoderOptions:
         cache switches single tokens to a split kernel past 256 cached tokens); else f16."""
         if self.kv_type_k is not None or self.kv_type is not None:
             return self.kv_type_k or self.kv_type
-        return "q8_0" if self._cpu_default else "f16"
+        return kv_cache.K_TYPE if self._cpu_default else "f16"
 
     @property
     def cache_type_v(self) -> str:
-        """V cache type: kv_type_v, else kv_type, else by default on CPU with flash attention q8_0 or f16, whichever
-        this machine attends faster with (kv_cache.default_v_type: both keep batches bit for bit); else f16."""
+        """V cache type: kv_type_v, else kv_type, else by default on CPU with flash attention cpu_v_type, q8_0 or f16,
+        whichever this machine attends faster with (both keep batches bit for bit: docs/exactness.md); else f16.
+
+        No I/O: where the default needs this machine's choice and `resolved()` has not made it (needs_v_choice),
+        ValueError, since a memory check sized with a guess could pass a cache that does not fit."""
         if self.kv_type_v is not None or self.kv_type is not None:
             return self.kv_type_v or self.kv_type
-        if self._cpu_default:
-            from .kv_cache import default_v_type
-            return default_v_type()
-        return "f16"
+        if not self._cpu_default:
+            return "f16"
+        if self.cpu_v_type is None:
+            raise ValueError("the default V cache type on CPU is chosen per machine: read cache_type_v from "
+                             "DecoderOptions.resolved() (kv_cache.resolve)")
+        return self.cpu_v_type
+
+    @property
+    def needs_v_choice(self) -> bool:
+        """Whether cache_type_v is this machine's default V type and `resolved()` has not chosen it yet."""
+        return self.kv_type_v is None and self.kv_type is None and self.cpu_v_type is None and self._cpu_default
+
+    def resolved(self) -> DecoderOptions:
+        """These options with this machine's default V cache type chosen (cpu_v_type) where they need it, else
+        themselves: the explicit load-time step before cache_type_v is read (kv_cache.resolve).
+
+        May do I/O on first use in a process: reads the choice from machine_cache.kv_cache_path(), else measures it
+        (a one-layer GGUF written to a temporary folder, two llama.cpp contexts timed, ~0.3 s) and writes it there."""
+        return kv_cache.resolve(self, LlamaCppDecoder, default_threads())
 
     @property
     def _cpu_default(self) -> bool:
@@ -177,9 +203,13 @@ class LlamaCppDecoder:
     """One GGUF model and one llama.cpp context, driven through the low-level API."""
 
     def __init__(self, path: str | os.PathLike, options: DecoderOptions | None = None) -> None:
-        self.options = opts = options or DecoderOptions()
+        """Load the model and make its context. `options` are resolved first (DecoderOptions.resolved: the default V
+        cache type on CPU is this machine's choice, measured on first use) and kept resolved in self.options; the
+        cache types in use are self.kv_type (K) and self.kv_type_v (V)."""
         self.path = Path(path).expanduser().resolve()
-        self.header = read_header(self.path)
+        self.header = read_header(self.path)  # a bad file fails before anything is measured
+        # chosen before the memory check sizes the cache with it
+        self.options = opts = (options or DecoderOptions()).resolved()
         if opts.memory_check and not opts.offloads:
             check_memory([(self.path, self.header)], opts.n_ctx, opts.cache_type, opts.cache_type_v)
         llama_log.install(opts.verbose)
@@ -472,7 +502,7 @@ class LlamaCppDecoder:
         self._unrecorded = False
         return self._logits(len(tokens))
 
-    def commit_tree_path(self, path: Sequence[int]) -> None:
+    def commit_tree_path(self, path: Sequence[int]) -> int:
         tree = self._tree
         if tree is None:
             raise GGUFSpecError("commit_tree_path needs a tree_logits call just before it")
@@ -495,8 +525,8 @@ class LlamaCppDecoder:
             llama_cpp.llama_memory_seq_keep(mem, 0)
         # Node i of the batch sits in the cache cell after node i-1's. The path's nodes after its first gap
         # would sit past freed cells that later tokens fill: out of position order, and llama.cpp's attention
-        # adds up cells in cache order, so its logits would drift from plain decoding's (by up to 0.9 on the
-        # bench pair here). Those nodes are dropped from the cache and decoded again in front of the next batch.
+        # adds up cells in cache order, so its logits would drift from plain decoding's (docs/exactness.md). Those
+        # nodes are dropped from the cache and decoded again in front of the next batch.
         contiguous = next((i for i, node in enumerate(full) if node != i), len(full))
         if contiguous < len(full):
             llama_cpp.llama_memory_seq_rm(mem, 0, base + contiguous, -1)
@@ -505,6 +535,7 @@ class LlamaCppDecoder:
         self.history.extend(committed)
         self._deferred = committed[contiguous:]
         self._tree, self._tree_pre = None, []
+        return len(self._deferred)
 
     def _end_tree(self) -> None:
         """Drop an uncommitted tree from the cache: the history is as it was before tree_logits."""

@@ -11,7 +11,7 @@ import llama_cpp
 from gguf import GGMLQuantizationType
 
 from . import cpu_backend
-from .costs import costs_path, cpu_info
+from .machine_cache import costs_path, cpu_info
 from .decoder import DecoderOptions, LlamaCppDecoder
 
 

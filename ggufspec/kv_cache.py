@@ -2,9 +2,16 @@
 measured once on a one-layer model written for it, and remembered per machine.
 
 With a q8_0 K cache llama.cpp's CPU flash attention decodes every row with one kernel, whatever the batch size, so
-verify batches give plain decoding's logits bit for bit with a q8_0 or an f16 V cache alike (docs/exactness.md).
-Which is faster depends on the CPU: after 1,500 tokens of context a Zen 4 decoded the bench target in 115 ms a
-token with q8_0 V and 78 ms with f16 V (it turns each q8_0 V row back into floats for every head that reads it).
+verify batches give plain decoding's logits bit for bit with a q8_0 or an f16 V cache alike; which one is faster
+depends on the CPU (docs/exactness.md has the figures).
+
+Contract: `resolve` is the one step that chooses, at load time (DecoderOptions.resolved, which LlamaCppDecoder and
+SpeculativeEngine.load call before sizing the cache for the memory check); DecoderOptions' cache_type_v only reads
+what it chose. Choosing may do I/O: read machine_cache.kv_cache_path(), else write a GGUF file, open two llama.cpp
+contexts, time them and write the choice there. One process keeps its first choice per cache file.
+
+This module imports nothing from decoder (decoder imports it): the probe's decoders are opened through the
+`open_decoder` the caller passes (LlamaCppDecoder).
 """
 
 from __future__ import annotations
@@ -13,48 +20,100 @@ import json
 import statistics
 import tempfile
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
+from typing import Protocol, TypeVar
 
 import gguf
 import numpy as np
 
 from .errors import GGUFSpecError
+from .machine_cache import kv_cache_path, machine, read_entry, write_table
 
 K_TYPE = "q8_0"
 V_TYPES = ("q8_0", "f16")  # in order of preference: q8_0 takes half the memory
-F16_WINS = 0.9  # f16 V is chosen only when it attends in less than this share of q8_0 V's time
+# f16 V is chosen only when it attends in less than this share of q8_0 V's time: it takes 1.9x the memory
+F16_WINS = 0.9
 
 _CELLS = 512  # cached tokens the timing attends to: enough to be dominated by attention on a one-layer model
 _HEADS, _KV_HEADS, _HEAD_DIM = 32, 8, 64  # a common geometry: what differs between the V types is a cost per value read
 
 
+class Probe(Protocol):
+    """What measure() needs of a decoder (LlamaCppDecoder has it)."""
+
+    def feed(self, tokens: Sequence[int], all_logits: bool = True) -> object: ...
+    def rollback_to(self, n: int) -> None: ...
+    def close(self) -> None: ...
+
+
+class Options(Protocol):
+    """What resolve() needs of the options (DecoderOptions has it): a dataclass, built with keywords."""
+
+    needs_v_choice: bool  # the V cache type is this machine's default and not chosen yet
+    cpu_v_type: str | None  # where the choice goes
+
+
+O = TypeVar("O", bound=Options)
+# a decoder of the GGUF file at the path, q8_0 K and the given V cache type (and the probe's context size)
+OpenProbe = Callable[[Path, str], Probe]
+
+
 def cache_path() -> Path:
-    from .costs import costs_path
-    return costs_path().with_name("kv_cache.json")
+    """The choices' table: machine_cache.kv_cache_path()."""
+    return kv_cache_path()
 
 
 # per cache file, the choice this process made: the two V types give different texts, so one process keeps one
 _chosen: dict[Path, str] = {}
 
 
+def resolve(options: O, open_decoder: Callable[[Path, O], Probe], threads: int) -> O:
+    """`options` with cpu_v_type set to this machine's choice where it needs one (options.needs_v_choice), else
+    `options` itself.
+
+    Choosing may measure (see choose): the probe's decoders are `open_decoder(path, opts)` with opts made like
+    `options` from keywords, llama.cpp's defaults but for a q8_0 K, the V type timed, the probe's context and no
+    memory check. `threads`: the thread count a default decoder runs with (decoder.default_threads), part of the
+    choice's key."""
+    if not options.needs_v_choice:
+        return options
+
+    def open_probe(path: Path, v_type: str) -> Probe:
+        return open_decoder(path, type(options)(n_ctx=_CELLS + 64, kv_type=K_TYPE, kv_type_v=v_type,
+                                                memory_check=False))
+
+    return replace(options, cpu_v_type=choose(open_probe, threads))
+
+
 def default_v_type() -> str:
-    """The V cache type to pair with a q8_0 K cache on CPU: measured on first use on this machine, then read back."""
+    """The V type this process chose (through resolve) to pair with q8_0 K on CPU, for the current cache file; no I/O.
+    LookupError when it has chosen none yet."""
     path = cache_path()
     if path not in _chosen:
-        _chosen[path] = _read_or_measure(path)
+        raise LookupError(f"no V cache type chosen for {path} yet: kv_cache.resolve (DecoderOptions.resolved) "
+                          "chooses it")
     return _chosen[path]
 
 
-def _read_or_measure(path: Path) -> str:
-    from .costs import machine, read_entry, write_table
-    from .decoder import default_threads
+def choose(open_probe: OpenProbe, threads: int) -> str:
+    """The V cache type to pair with a q8_0 K cache on CPU: this process's earlier choice, else the one remembered in
+    cache_path() for this machine and thread count, else measured now (and remembered unless the probe could not run:
+    then q8_0, the smaller cache, and measured again by the next process)."""
+    path = cache_path()
+    if path not in _chosen:
+        _chosen[path] = _read_or_measure(path, open_probe, threads)
+    return _chosen[path]
 
-    key = json.dumps([machine(), default_threads(), _CELLS])
+
+def _read_or_measure(path: Path, open_probe: OpenProbe, threads: int) -> str:
+    key = json.dumps([machine(), threads, _CELLS])
     choice = read_entry(path, key, check_v_type)
     if choice is not None:
         return choice
     try:
-        times = measure()
+        times = measure(open_probe)
     except GGUFSpecError:
         return "q8_0"  # llama.cpp could not build the probe's contexts here: keep the smaller cache, measure next run
     choice = "f16" if times["f16"] < F16_WINS * times["q8_0"] else "q8_0"
@@ -67,15 +126,15 @@ def check_v_type(value: object) -> str | None:
     return None if value in V_TYPES else f"expected one of {', '.join(V_TYPES)}"
 
 
-def measure(repeats: int = 7) -> dict[str, float]:
-    """Median seconds of one decode after _CELLS tokens, per V type (K q8_0), taken in turn; ~0.3 s in all."""
-    from .decoder import DecoderOptions, LlamaCppDecoder
-
+def measure(open_probe: OpenProbe, repeats: int = 7) -> dict[str, float]:
+    """Median seconds of one decode after _CELLS tokens, per V type (K q8_0), the types timed in turn, on a
+    one-layer model written to a temporary folder (removed after). GGUFSpecError when a context cannot be made."""
     with tempfile.TemporaryDirectory(prefix="ggufspec-kv-") as tmp:
         path = write_attention_model(Path(tmp) / "attention.gguf")
-        decoders = [LlamaCppDecoder(path, DecoderOptions(n_ctx=_CELLS + 64, kv_type=K_TYPE, kv_type_v=v,
-                                                         memory_check=False)) for v in V_TYPES]
+        decoders: list[Probe] = []
         try:
+            for v in V_TYPES:
+                decoders.append(open_probe(path, v))
             times: list[list[float]] = [[] for _ in V_TYPES]
             for d in decoders:
                 d.feed([i % 256 for i in range(_CELLS)], all_logits=False)

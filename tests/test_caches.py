@@ -1,8 +1,10 @@
-"""The measurement caches (costs.json, kv_cache.json): what they hold is checked on read and a bad entry or file is
-measured again with a notice; writers at once merge their entries; a failed write leaves no temporary file."""
+"""The measurement caches (costs.json, kv_cache.json): where they live; what they hold is checked on read and a bad
+entry or file is measured again with a notice; writers at once merge their entries; a failed write leaves no
+temporary file; the module that keeps them (machine_cache) is a leaf."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -10,15 +12,55 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 
 import ggufspec.costs as costs_module
+from ggufspec import kv_cache, machine_cache
 from ggufspec.costs import check_costs, measure
 
 from conftest import open_decoder
 
 K_MAX = 2
+
+
+# --- where they live ------------------------------------------------------------------------------
+
+def test_the_cache_folder_honours_ggufspec_cache_then_xdg_cache_home_then_home(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("GGUFSPEC_CACHE", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    assert machine_cache.cache_dir() == tmp_path / "home" / ".cache" / "ggufspec"  # where earlier releases wrote
+    monkeypatch.setenv("XDG_CACHE_HOME", "")  # empty: unset
+    assert machine_cache.cache_dir() == tmp_path / "home" / ".cache" / "ggufspec"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert (costs_module.costs_path(), kv_cache.cache_path()) == (tmp_path / "xdg" / "ggufspec" / "costs.json",
+                                                                 tmp_path / "xdg" / "ggufspec" / "kv_cache.json")
+    monkeypatch.setenv("GGUFSPEC_CACHE", str(tmp_path / "own"))
+    assert (costs_module.costs_path(), kv_cache.cache_path()) == (tmp_path / "own" / "costs.json",
+                                                                 tmp_path / "own" / "kv_cache.json")
+
+
+def _package_imports(module: str) -> set[str]:
+    """The ggufspec modules `module` imports, at any depth of its source (inside functions too)."""
+    source = (Path(machine_cache.__file__).parent / f"{module}.py").read_text()
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            found |= {node.module.split(".")[0]} if node.module else {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ggufspec."):
+            found.add(node.module.split(".")[1])
+    return found
+
+
+def test_the_cache_modules_import_in_one_direction() -> None:
+    """decoder -> kv_cache -> machine_cache and costs -> machine_cache, never back (not even inside a function)."""
+    assert _package_imports("machine_cache") <= {"errors", "outputs"}
+    assert _package_imports("outputs") <= {"errors"}
+    assert "decoder" not in _package_imports("kv_cache") and "costs" not in _package_imports("kv_cache")
+    assert "costs" not in _package_imports("decoder")
+    assert "kv_cache" not in _package_imports("costs")
 
 
 @pytest.fixture
@@ -159,7 +201,7 @@ def test_two_measurements_at_once_keep_both_entries(tiny_target, tmp_path, monke
 WRITER = """
 import sys
 from pathlib import Path
-from ggufspec.costs import write_table
+from ggufspec.machine_cache import write_table
 path, name, n = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 print("ready", flush=True)
 sys.stdin.readline()  # the go, once every writer is ready
@@ -190,14 +232,14 @@ def test_processes_writing_at_once_lose_no_entry(tmp_path) -> None:
 def test_a_failed_replace_leaves_no_temporary_file(tmp_path) -> None:
     path = tmp_path / "costs.json"
     path.mkdir()  # os.replace cannot put a file there
-    costs_module.write_table(path, {"key": [1.0]})  # silently: only a re-measurement next time
+    machine_cache.write_table(path, {"key": [1.0]})  # silently: only a re-measurement next time
     assert sorted(p.name for p in tmp_path.iterdir()) == ["costs.json", "costs.json.lock"]
 
 
 FULL_DISK = """
 import resource, signal, sys
 from pathlib import Path
-from ggufspec.costs import write_table
+from ggufspec.machine_cache import write_table
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG) instead of killing
 resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64))  # as a disk that fills up mid-write
 write_table(Path(sys.argv[1]), {"new": "x" * 10_000})

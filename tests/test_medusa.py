@@ -508,7 +508,7 @@ def test_memory_check_counts_the_output_matrix_v2_heads_copy(tiny_target, random
     v1 = _write_heads(tmp_path / "v1.gguf", _random_blocks(rng, 2, 1, H, 0.1), [rng.normal(0, 1, (V, H)) for _ in range(2)],
                       outtype="f16")
     assert heads_memory(v1, header) == []
-    options = DecoderOptions(n_ctx=1024, n_threads=2)
+    options = DecoderOptions(n_ctx=1024, n_threads=2).resolved()
     need = memory.needed_bytes(header, options.n_ctx, options.cache_type, options.cache_type_v)
     monkeypatch.setattr(memory, "available_bytes", lambda: need + V * H * 2)  # the model fits, the copy does not
     with pytest.raises(GGUFSpecError, match="not enough memory.*output matrix"):
