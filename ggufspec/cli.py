@@ -5,15 +5,19 @@ from __future__ import annotations
 import inspect
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, TypeVar
 
 import click
 
 from .errors import GGUFSpecError
+from .kv_types import KV_TYPES
 from .methods import METHODS, get_method, methods_help
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 class Group(click.Group):
@@ -38,44 +42,243 @@ def main() -> None:
     """Speculative decoding for GGUF models on llama.cpp: the target's own text, faster."""
 
 
-KV_TYPES = ("f16", "bf16", "f32", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl")  # decoder.KV_TYPES, spelled
-# out here so that `--help` need not import llama.cpp
+class MaxTokens(click.ParamType):
+    """-n/--max-tokens: at least 1, or -1 (llama.cpp's "until the context ends"), which gives None."""
+
+    name = "integer"
+
+    def convert(self, value, param, ctx) -> int | None:
+        if value is None or isinstance(value, int) and value >= 1:
+            return value
+        try:
+            n = int(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number of tokens", param, ctx)
+        if n == -1:
+            return None
+        if n < 1:
+            self.fail(f"{n}: give at least 1 token, or -1 for up to the end of the context", param, ctx)
+        return n
 
 
-def model_options(f):
-    """Options shared by every command that opens llama.cpp contexts."""
-    for opt in reversed([
-        click.option("-c", "--n-ctx", "--ctx-size", "n_ctx", type=click.IntRange(min=1), default=4096, show_default=True,
-                     help="Context size in tokens."),
-        click.option("-b", "--n-batch", "--batch-size", "n_batch", type=click.IntRange(min=1), default=512,
-                     show_default=True, help="Prefill chunk size."),
-        click.option("-ub", "--n-ubatch", "--ubatch-size", "n_ubatch", type=click.IntRange(min=1), default=None,
-                     help="Most tokens llama.cpp computes at once (default: 64 on CPU, where more costs memory and "
-                          "gains no speed; --n-batch with GPU layers)."),
-        click.option("-t", "--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: all cores)."),
-        click.option("-tb", "--threads-batch", type=click.IntRange(min=1), default=None, help="CPU threads for batches."),
-        click.option("-ngl", "--n-gpu-layers", "--gpu-layers", "n_gpu_layers", type=int, default=0, show_default=True,
-                     help="Layers to offload to Metal/CUDA (-1: all); ignored, with a warning, by a build without them."),
-        click.option("--no-mmap", is_flag=True, help="Read the model into memory instead of mapping it."),
-        click.option("--mlock", is_flag=True, help="Lock the model in RAM."),
-        click.option("--no-repack", is_flag=True,
-                     help="Keep weights in llama.cpp's plain CPU layout (slower verify batches; for comparisons)."),
-        click.option("--flash-attn/--no-flash-attn", default=None, help="Flash attention (default: llama.cpp decides)."),
-        click.option("-fa", "fa", type=click.Choice(("on", "off", "auto")), default=None,
-                     help="Flash attention as llama.cpp spells it: on, off or auto (the default)."),
-        click.option("--kv-type", type=click.Choice(KV_TYPES), default=None,
-                     help="KV cache type, K and V (default on CPU: q8_0 K, where a verify batch then gives plain "
-                          "decoding's logits bit for bit, and q8_0 or f16 V, whichever this CPU reads faster, measured "
-                          "once; f16, llama.cpp's default, with GPU layers or --no-flash-attn)."),
-        click.option("-ctk", "--cache-type-k", "kv_type_k", type=click.Choice(KV_TYPES), default=None,
-                     help="K cache type alone (default: as --kv-type)."),
-        click.option("-ctv", "--cache-type-v", "--kv-type-v", "kv_type_v", type=click.Choice(KV_TYPES), default=None,
-                     help="V cache type alone (default: as --kv-type)."),
-        click.option("-v", "--verbose", is_flag=True, help="Show llama.cpp's log lines."),
-        click.option("--no-memory-check", is_flag=True, help="Load even when weights + KV exceed the free RAM."),
-    ]):
-        f = opt(f)
-    return f
+class ByteSize(click.ParamType):
+    """A size in bytes: 1048576, 512k, 8M, 1G (powers of 1024)."""
+
+    name = "size"
+    _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+
+    def convert(self, value, param, ctx) -> int:
+        if isinstance(value, int):
+            return value
+        text = str(value).strip().lower().removesuffix("b").removesuffix("i")
+        unit = text[-1:] if text[-1:] in self._UNITS else ""
+        number = text[: len(text) - len(unit)]
+        if not number.isdigit() or int(number) < 1:
+            self.fail(f"{value!r} is not a size: give bytes, or a number with k, M or G", param, ctx)
+        return int(number) * self._UNITS[unit]
+
+
+Settings = Mapping[str, Any]  # click.option's keyword arguments; in a command's own settings also "decls"
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option of the table: its click declarations and settings, the commands it serves, and the settings a
+    command gives it instead (its own help, default, or fewer spellings)."""
+
+    decls: tuple[str, ...]
+    serves: frozenset[str]
+    settings: Settings
+    per: Mapping[str, Settings]
+
+    def click_option(self, command: str) -> Callable[[F], F]:
+        own = dict(self.per.get(command, {}))
+        return click.option(*own.pop("decls", self.decls), **{**self.settings, **own})
+
+
+def option(*decls: str, serves: Iterable[str], per: Mapping[str, Settings] | None = None, **settings: Any) -> Option:
+    """An entry of OPTIONS: click.option's declarations and settings, the commands it serves, their own settings."""
+    opt = Option(decls, frozenset(serves), settings, per or {})
+    if not opt.per.keys() <= opt.serves:
+        raise ValueError(f"{decls}: settings for commands it does not serve: {set(opt.per) - opt.serves}")
+    return opt
+
+
+def _answer_length(default: int | None) -> Settings:
+    """-n of a command that answers, by default with `default` tokens (None: up to the end of the context)."""
+    return dict(default=default, show_default=default is not None,
+                help="Most tokens per answer; -1: up to the end of the context" + ("." if default else " (the default)."))
+
+
+GENERATION = frozenset({"generate", "chat", "serve"})  # the commands that answer
+RUNS = GENERATION | {"bench"}  # ... and the one that times them
+LOADS = RUNS | {"doctor"}  # every command that opens llama.cpp contexts
+
+#: Every option of generate, chat, serve, bench and doctor, declared once, tagged with the commands it serves (as
+#: llama.cpp's common/arg.cpp tags its options with the tools they serve). A command's help lists its options in this
+#: order. An option means the same in every command it serves: where a command gives it other settings (help, default,
+#: fewer spellings), `per` says so here; a flag that means something else in another command is another entry.
+OPTIONS: tuple[Option, ...] = (
+    # what generate, chat and serve take besides the models
+    option("-p", "--prompt", "prompt_option", serves={"generate"}, metavar="TEXT", default=None,
+           help="The prompt, as llama-cli takes it (instead of the PROMPT argument)."),
+    option("-f", "--file", "prompt_file", serves={"generate"}, type=click.File("rb"), default=None,
+           help="Read the prompt from a file (`-`: standard input)."),
+    option("--chat", serves={"generate"}, is_flag=True,
+           help="Wrap the prompt in the model's chat template (the default when it has one)."),
+    option("--raw", serves={"generate"}, is_flag=True,
+           help="Plain completion: the prompt as it is, without the chat template."),
+    option("--system", "-sys", "--system-prompt", "system", serves={"generate", "chat"}, default=None,
+           help="System message.", per={"generate": dict(help="System message (implies --chat).")}),
+    option("--truncate-prompt", serves={"generate"}, is_flag=True,
+           help="Keep the end of a prompt that does not fit the context."),
+    option("--context-shift", serves={"generate"}, is_flag=True,
+           help="When the context is full, drop the older half of the text after the prompt's start and go on."),
+    option("--color/--no-color", "colour", serves={"chat"}, default=None,
+           help="Show draft tokens the target kept in a second colour (default: on in a terminal, off with NO_COLOR)."),
+    option("--stats", "show_stats", serves={"generate", "chat"}, is_flag=True, help="Print a stats line to stderr.",
+           per={"chat": dict(help="Print a stats line to stderr after every answer.")}),
+    option("--json", "as_json", serves={"generate"}, is_flag=True,
+           help="Print one JSON object (text, tokens, stats) instead of streaming."),
+    option("--host", serves={"serve"}, default="127.0.0.1", show_default=True, help="Address to listen on."),
+    option("--port", serves={"serve"}, type=click.IntRange(0, 65535), default=8080, show_default=True,
+           help="Port (0: any free one)."),
+    option("--api-key", serves={"serve"}, envvar="GGUFSPEC_API_KEY", default=None,
+           help="Require `Authorization: Bearer KEY` on /v1 (also GGUFSPEC_API_KEY)."),
+    option("--queue", serves={"serve"}, type=click.IntRange(min=0), default=16, show_default=True,
+           help="Requests that may wait while one runs; more get HTTP 429."),
+    option("-a", "--alias", serves={"serve"}, default=None,
+           help="Model name to report (default: the target's file name); any name a client sends is answered."),
+    option("-np", "--parallel", serves={"serve"}, type=click.IntRange(min=1), default=1, show_default=True,
+           help="Requests decoded at once; this server runs one at a time (others wait in --queue), so only 1."),
+    option("--max-body", serves={"serve"}, type=ByteSize(), default=None,
+           help="Largest request body (413 past it), e.g. 4M (default: 1 MiB plus 64 bytes per token of --n-ctx)."),
+    option("-to", "--timeout", serves={"serve"}, type=click.FloatRange(min=0.1), default=60.0, show_default=True,
+           help="Seconds a client has to send a request, and to take each chunk of its answer."),
+    option("--allowed-host", "allowed_hosts", serves={"serve"}, multiple=True, metavar="NAME",
+           help="Also accept requests whose Host header is NAME (repeatable; '*': any). IP addresses, localhost "
+                "and this machine's name always are; other names are refused against DNS rebinding."),
+    option("--cors-origin", "cors_origins", serves={"serve"}, multiple=True, metavar="ORIGIN",
+           help="Let web pages at ORIGIN (e.g. http://localhost:3000) call the server (repeatable; '*': any). "
+                "Default: none."),
+    # the models
+    option("-m", "--model", "target", serves=LOADS, type=click.Path(dir_okay=False), default=None,
+           help="Target GGUF (default: the --preset's, else the offline `demo` preset).",
+           per={"bench": dict(help="Target GGUF (default: the --preset's, else the offline `demo` preset, its target "
+                                   "and draft)."),
+                "doctor": dict(help="A model to load and describe.")}),
+    option("-d", "-md", "--draft", "--model-draft", "draft", serves=LOADS, type=click.Path(dir_okay=False),
+           default=None, help="Draft GGUF (same vocabulary).",
+           per={"bench": dict(decls=("-d", "--draft"), help="Draft GGUF (default without -m: the preset's)."),
+                "doctor": dict(decls=("-d", "--draft"), help="A draft model to describe too.")}),
+    option("--preset", serves=RUNS, default=None,
+           help="A named pair from `ggufspec models`, fetched from the hub when needed.",
+           per={"bench": dict(help="A named pair from `ggufspec models` (target, draft or heads), fetched from the hub "
+                                   "when needed.")}),
+    # what bench runs
+    option("-p", "--prompts", "prompts_path", serves={"bench"}, required=True, type=click.Path(dir_okay=False),
+           help="JSONL (Spec-Bench `turns` or HumanEval `prompt`) or a text file, one prompt a line."),
+    option("--limit", serves={"bench"}, type=click.IntRange(min=1), default=None, help="Use the first N prompts."),
+    option("--per-category", serves={"bench"}, type=click.IntRange(min=1), default=None,
+           help="Use the first N prompts of each category (before --limit)."),
+    # decoding
+    option("--method", serves=GENERATION, type=click.Choice(list(METHODS)), default=None,
+           help=f"{methods_help()}. Default: auto.",
+           per={"generate": dict(help=f"{methods_help()}. Default: auto with a draft or --medusa, else autoregressive.")}),
+    option("--method", "methods", serves={"bench"}, multiple=True, type=click.Choice(list(METHODS)),
+           help="Methods to compare (repeatable; default: autoregressive, vanilla with a draft, medusa with --medusa "
+                "heads, and auto; without either: autoregressive and auto, which is prompt lookup where it pays)."),
+    option("--temp", "temps", serves={"bench"}, multiple=True, type=click.FloatRange(min=0),
+           help="Temperatures (repeatable; default 0)."),
+    option("-n", "--max-tokens", "--n-predict", "max_tokens", serves=RUNS, type=MaxTokens(),
+           per={"generate": _answer_length(256), "chat": _answer_length(1024), "serve": _answer_length(None),
+                "bench": dict(decls=("-n", "--max-tokens"), type=click.IntRange(min=1), default=128, show_default=True)}),
+    option("--repeats", serves={"bench"}, type=click.IntRange(min=1), default=3, show_default=True),
+    option("--warmup", serves={"bench"}, type=click.IntRange(min=0), default=1, show_default=True),
+    option("--temp", serves=GENERATION, type=click.FloatRange(min=0), default=0.0, show_default=True, help="0 is greedy."),
+    option("--top-k", serves=GENERATION, type=click.IntRange(min=0), default=0, show_default=True, help="0: off."),
+    option("--top-p", serves=GENERATION, type=float, default=1.0, show_default=True, help="In (0, 1]; 1: off."),
+    option("--min-p", serves=GENERATION, type=float, default=0.0, show_default=True, help="In [0, 1]; 0: off."),
+    option("-s", "--seed", serves=RUNS, type=int, default=None,
+           help="Seed for sampling (same seed, same text); -1 or none: random.",
+           per={"bench": dict(decls=("--seed",), default=0, show_default=True, help=None)}),  # runs that repeat
+    option("--draft-max", "--draft-n", "draft_max", serves=RUNS, type=click.IntRange(min=1), default=4,
+           show_default=True, help="Most tokens drafted per step.",
+           per={"bench": dict(decls=("--draft-max",), help=None)}),
+    option("--draft-p-min", serves=RUNS, type=click.FloatRange(0, 1), default=0.0, show_default=True,
+           help="Stop drafting when the draft's top probability falls under this.", per={"bench": dict(help=None)}),
+    option("--medusa", "medusa_path", serves=RUNS, type=click.Path(dir_okay=False), default=None,
+           help="Medusa heads GGUF trained for this target (`ggufspec medusa train`, `ggufspec convert medusa`).",
+           per={"bench": dict(help="Medusa heads GGUF for --method medusa.")}),
+    option("--tree", "medusa_tree", serves=RUNS, default=None,
+           help="Medusa candidate tree: mc_sim_7b_63, mc_sim_31, mc_sim_15, chain_4, or a JSON file of choices "
+                "(default: the tree stored with the heads by `medusa train`, else mc_sim_7b_63).",
+           per={"bench": dict(help="Medusa candidate tree (see `generate --help`).")}),
+    option("--medusa-vocab", "medusa_vocab", serves=RUNS, metavar="N|FILE", default=None,
+           help="Medusa heads propose only from a restricted candidate vocabulary: the N lowest token ids (BPE ids "
+                "follow merge order, roughly frequency) or the ids in FILE (JSON list, or integers separated by "
+                "spaces/commas/newlines); the target's special tokens always stay in. Much cheaper heads; output "
+                "unchanged (the target verifies), only acceptance may drop. Default: the whole vocabulary.",
+           per={"bench": dict(help="Medusa's restricted candidate vocabulary (see `generate --help`).")}),
+    option("--typical", serves=GENERATION, is_flag=True,
+           help="Medusa at --temp > 0: typical acceptance (threshold 0.09, alpha 0.3), faster but NOT exact: the text "
+                "no longer follows the target's sampling distribution. Without it Medusa samples exactly; at --temp 0 "
+                "it is greedy."),
+    option("--stop", "-r", "--reverse-prompt", "stop", serves=GENERATION, multiple=True, help="Stop string (repeatable)."),
+    # what bench does with the runs
+    option("--fresh-context", "fresh", serves={"bench"}, is_flag=True,
+           help="Empty the KV caches before every run: no prefix reuse, so every method sees the same KV layout."),
+    option("-o", "--output", serves={"bench"}, type=click.Path(dir_okay=False), default=None,
+           help="Write all runs and the summary as JSON."),
+    option("--plot", "plot_prefix", serves={"bench"}, type=click.Path(dir_okay=False), default=None,
+           help="Write PREFIX-speedup.png and PREFIX-acceptance.png (needs matplotlib: pip install 'ggufspec[plot]')."),
+    option("--replay", serves={"bench"}, is_flag=True,
+           help="Instead of timing runs: record each prompt's greedy text and the draft's guesses once, then price "
+                "autoregressive, vanilla, lookup, auto and a per-step oracle with the measured cost model."),
+    # llama.cpp contexts (the arguments of decoder_options)
+    option("-c", "--n-ctx", "--ctx-size", "n_ctx", serves=LOADS, type=click.IntRange(min=1), default=4096,
+           show_default=True, help="Context size in tokens."),
+    option("-b", "--n-batch", "--batch-size", "n_batch", serves=LOADS, type=click.IntRange(min=1), default=512,
+           show_default=True, help="Prefill chunk size."),
+    option("-ub", "--n-ubatch", "--ubatch-size", "n_ubatch", serves=LOADS, type=click.IntRange(min=1), default=None,
+           help="Most tokens llama.cpp computes at once (default: 64 on CPU, where more costs memory and gains no "
+                "speed; --n-batch with GPU layers)."),
+    option("-t", "--threads", serves=LOADS, type=click.IntRange(min=1), default=None,
+           help="CPU threads (default: all cores)."),
+    option("-tb", "--threads-batch", serves=LOADS, type=click.IntRange(min=1), default=None,
+           help="CPU threads for batches."),
+    option("-ngl", "--n-gpu-layers", "--gpu-layers", "n_gpu_layers", serves=LOADS, type=int, default=0,
+           show_default=True,
+           help="Layers to offload to Metal/CUDA (-1: all); ignored, with a warning, by a build without them."),
+    option("--no-mmap", serves=LOADS, is_flag=True, help="Read the model into memory instead of mapping it."),
+    option("--mlock", serves=LOADS, is_flag=True, help="Lock the model in RAM."),
+    option("--no-repack", serves=LOADS, is_flag=True,
+           help="Keep weights in llama.cpp's plain CPU layout (slower verify batches; for comparisons)."),
+    option("--flash-attn/--no-flash-attn", serves=LOADS, default=None,
+           help="Flash attention (default: llama.cpp decides)."),
+    option("-fa", "fa", serves=LOADS, type=click.Choice(("on", "off", "auto")), default=None,
+           help="Flash attention as llama.cpp spells it: on, off or auto (the default)."),
+    option("--kv-type", serves=LOADS, type=click.Choice(KV_TYPES), default=None,
+           help="KV cache type, K and V (default on CPU: q8_0 K, where a verify batch then gives plain decoding's "
+                "logits bit for bit, and q8_0 or f16 V, whichever this CPU reads faster, measured once; f16, "
+                "llama.cpp's default, with GPU layers or --no-flash-attn)."),
+    option("-ctk", "--cache-type-k", "kv_type_k", serves=LOADS, type=click.Choice(KV_TYPES), default=None,
+           help="K cache type alone (default: as --kv-type)."),
+    option("-ctv", "--cache-type-v", "--kv-type-v", "kv_type_v", serves=LOADS, type=click.Choice(KV_TYPES),
+           default=None, help="V cache type alone (default: as --kv-type)."),
+    option("-v", "--verbose", serves=LOADS, is_flag=True, help="Show llama.cpp's log lines."),
+    option("--no-memory-check", serves=LOADS, is_flag=True, help="Load even when weights + KV exceed the free RAM."),
+)
+
+
+def options_for(command: str) -> Callable[[F], F]:
+    """Decorator: the options of OPTIONS that serve `command`, in the table's order, with the command's settings."""
+    def decorate(f: F) -> F:
+        for opt in reversed(OPTIONS):
+            if command in opt.serves:
+                f = opt.click_option(command)(f)
+        return f
+    return decorate
 
 
 def decoder_options(n_ctx, n_batch, n_ubatch, threads, threads_batch, n_gpu_layers, no_mmap, mlock, no_repack, flash_attn,
@@ -100,83 +303,15 @@ def decoder_options(n_ctx, n_batch, n_ubatch, threads, threads_batch, n_gpu_laye
         raise click.UsageError(str(e)) from None
 
 
-class MaxTokens(click.ParamType):
-    """-n/--max-tokens: at least 1, or -1 (llama.cpp's "until the context ends"), which gives None."""
-
-    name = "integer"
-
-    def convert(self, value, param, ctx) -> int | None:
-        if value is None or isinstance(value, int) and value >= 1:
-            return value
-        try:
-            n = int(value)
-        except (TypeError, ValueError):
-            self.fail(f"{value!r} is not a number of tokens", param, ctx)
-        if n == -1:
-            return None
-        if n < 1:
-            self.fail(f"{n}: give at least 1 token, or -1 for up to the end of the context", param, ctx)
-        return n
-
-
-def generation_options(max_tokens: int | None, default_method: str):
-    """Model, speculation and sampling options shared by generate, chat and serve (then the model options)."""
-    def decorate(f):
-        f = model_options(f)
-        for opt in reversed([
-            click.option("-m", "--model", "target", type=click.Path(dir_okay=False), default=None,
-                         help="Target GGUF (default: the --preset's, else the offline `demo` preset)."),
-            click.option("-d", "-md", "--draft", "--model-draft", "draft", type=click.Path(dir_okay=False), default=None,
-                         help="Draft GGUF (same vocabulary)."),
-            click.option("--preset", default=None,
-                         help="A named pair from `ggufspec models`, fetched from the hub when needed."),
-            click.option("--method", type=click.Choice(list(METHODS)), default=None,
-                         help=f"{methods_help()}. Default: {default_method}."),
-            click.option("-n", "--max-tokens", "--n-predict", "max_tokens", type=MaxTokens(), default=max_tokens,
-                         show_default=max_tokens is not None,
-                         help="Most tokens per answer; -1: up to the end of the context"
-                              + ("." if max_tokens else " (the default).")),
-            click.option("--temp", type=click.FloatRange(min=0), default=0.0, show_default=True, help="0 is greedy."),
-            click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0: off."),
-            click.option("--top-p", type=float, default=1.0, show_default=True, help="In (0, 1]; 1: off."),
-            click.option("--min-p", type=float, default=0.0, show_default=True, help="In [0, 1]; 0: off."),
-            click.option("-s", "--seed", type=int, default=None,
-                         help="Seed for sampling (same seed, same text); -1 or none: random."),
-            click.option("--draft-max", "--draft-n", "draft_max", type=click.IntRange(min=1), default=4, show_default=True,
-                         help="Most tokens drafted per step."),
-            click.option("--draft-p-min", type=click.FloatRange(0, 1), default=0.0, show_default=True,
-                         help="Stop drafting when the draft's top probability falls under this."),
-            click.option("--medusa", "medusa_path", type=click.Path(dir_okay=False), default=None,
-                         help="Medusa heads GGUF trained for this target (`ggufspec medusa train`, `ggufspec convert medusa`)."),
-            click.option("--tree", "medusa_tree", default=None,
-                         help="Medusa candidate tree: mc_sim_7b_63, mc_sim_31, mc_sim_15, chain_4, or a JSON file of "
-                              "choices (default: the tree stored with the heads by `medusa train`, else mc_sim_7b_63)."),
-            click.option("--medusa-vocab", "medusa_vocab", metavar="N|FILE", default=None,
-                         help="Medusa heads propose only from a restricted candidate vocabulary: the N lowest token ids "
-                              "(BPE ids follow merge order, roughly frequency) or the ids in FILE (JSON list, or integers "
-                              "separated by spaces/commas/newlines); the target's special tokens always stay in. Much "
-                              "cheaper heads; output unchanged (the target verifies), only acceptance may drop. Default: "
-                              "the whole vocabulary."),
-            click.option("--typical", is_flag=True,
-                         help="Medusa at --temp > 0: typical acceptance (threshold 0.09, alpha 0.3), faster but NOT "
-                              "exact: the text no longer follows the target's sampling distribution. Without it Medusa "
-                              "samples exactly; at --temp 0 it is greedy."),
-            click.option("--stop", "-r", "--reverse-prompt", "stop", multiple=True,
-                         help="Stop string (repeatable)."),
-        ]):
-            f = opt(f)
-        return f
-    return decorate
-
-
 _GENERATION_KEYS = ("target", "draft", "preset", "method", "max_tokens", "temp", "top_k", "top_p", "min_p", "seed",
                     "draft_max", "draft_p_min", "medusa_path", "medusa_tree", "medusa_vocab", "typical", "stop")
 _MODEL_KEYS = tuple(inspect.signature(decoder_options).parameters)
 
 
 def load_engine(params: dict, default_method: str | None = None, **settings_extra):
-    """The engine and settings of `generation_options` (taken out of `params`): a preset resolved and fetched, the
-    combination checked, the models loaded; default_method when none is given (None: the engine's)."""
+    """The engine and settings of generate's, chat's and serve's shared options (taken out of `params`): a preset
+    resolved and fetched, the combination checked, the models loaded; default_method when none is given (None: the
+    engine's)."""
     from .engine import GenerationSettings, SpeculativeEngine
     from .sampling import SamplingParams
 
@@ -210,19 +345,7 @@ def _medusa_vocab(value: str | None, medusa_path: str | None) -> int | str | Non
 
 @main.command()
 @click.argument("prompt", required=False)
-@click.option("-p", "--prompt", "prompt_option", metavar="TEXT", default=None,
-              help="The prompt, as llama-cli takes it (instead of the PROMPT argument).")
-@click.option("-f", "--file", "prompt_file", type=click.File("rb"), default=None,
-              help="Read the prompt from a file (`-`: standard input).")
-@click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template (the default when it has one).")
-@click.option("--raw", is_flag=True, help="Plain completion: the prompt as it is, without the chat template.")
-@click.option("--system", "-sys", "--system-prompt", "system", default=None, help="System message (implies --chat).")
-@click.option("--truncate-prompt", is_flag=True, help="Keep the end of a prompt that does not fit the context.")
-@click.option("--context-shift", is_flag=True,
-              help="When the context is full, drop the older half of the text after the prompt's start and go on.")
-@click.option("--stats", "show_stats", is_flag=True, help="Print a stats line to stderr.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, tokens, stats) instead of streaming.")
-@generation_options(max_tokens=256, default_method="auto with a draft or --medusa, else autoregressive")
+@options_for("generate")
 def generate(prompt, prompt_option, prompt_file, chat, raw, system, truncate_prompt, context_shift, show_stats, as_json,
              **params) -> None:
     """Generate text from PROMPT (`-` reads standard input; or -p TEXT, -f FILE).
@@ -277,11 +400,7 @@ def _prompt_text(argument: str | None, option: str | None, file) -> str:
 
 
 @main.command()
-@click.option("--system", "-sys", "--system-prompt", "system", default=None, help="System message.")
-@click.option("--color/--no-color", "colour", default=None,
-              help="Show draft tokens the target kept in a second colour (default: on in a terminal, off with NO_COLOR).")
-@click.option("--stats", "show_stats", is_flag=True, help="Print a stats line to stderr after every answer.")
-@generation_options(max_tokens=1024, default_method="auto")
+@options_for("chat")
 def chat(system, colour, show_stats, **params) -> None:
     """Chat with a model in the terminal: history kept, the KV cache of earlier turns reused, answers streamed.
 
@@ -297,45 +416,8 @@ def chat(system, colour, show_stats, **params) -> None:
         run_chat(engine, settings, system, use_colour(colour, sys.stdout), show_stats)
 
 
-class ByteSize(click.ParamType):
-    """A size in bytes: 1048576, 512k, 8M, 1G (powers of 1024)."""
-
-    name = "size"
-    _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-
-    def convert(self, value, param, ctx) -> int:
-        if isinstance(value, int):
-            return value
-        text = str(value).strip().lower().removesuffix("b").removesuffix("i")
-        unit = text[-1:] if text[-1:] in self._UNITS else ""
-        number = text[: len(text) - len(unit)]
-        if not number.isdigit() or int(number) < 1:
-            self.fail(f"{value!r} is not a size: give bytes, or a number with k, M or G", param, ctx)
-        return int(number) * self._UNITS[unit]
-
-
 @main.command()
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
-@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True, help="Port (0: any free one).")
-@click.option("--api-key", envvar="GGUFSPEC_API_KEY", default=None,
-              help="Require `Authorization: Bearer KEY` on /v1 (also GGUFSPEC_API_KEY).")
-@click.option("--queue", type=click.IntRange(min=0), default=16, show_default=True,
-              help="Requests that may wait while one runs; more get HTTP 429.")
-@click.option("-a", "--alias", default=None,
-              help="Model name to report (default: the target's file name); any name a client sends is answered.")
-@click.option("-np", "--parallel", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Requests decoded at once; this server runs one at a time (others wait in --queue), so only 1.")
-@click.option("--max-body", type=ByteSize(), default=None,
-              help="Largest request body (413 past it), e.g. 4M (default: 1 MiB plus 64 bytes per token of --n-ctx).")
-@click.option("-to", "--timeout", type=click.FloatRange(min=0.1), default=60.0, show_default=True,
-              help="Seconds a client has to send a request, and to take each chunk of its answer.")
-@click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="NAME",
-              help="Also accept requests whose Host header is NAME (repeatable; '*': any). IP addresses, localhost "
-                   "and this machine's name always are; other names are refused against DNS rebinding.")
-@click.option("--cors-origin", "cors_origins", multiple=True, metavar="ORIGIN",
-              help="Let web pages at ORIGIN (e.g. http://localhost:3000) call the server (repeatable; '*': any). "
-                   "Default: none.")
-@generation_options(max_tokens=None, default_method="auto")
+@options_for("serve")
 def serve(host, port, api_key, queue, alias, parallel, max_body, timeout, allowed_hosts, cors_origins, **params) -> None:
     """An OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /health.
 
@@ -413,43 +495,8 @@ def _finish(result, show_stats: bool, as_json: bool) -> None:
 
 
 @main.command()
-@click.option("-m", "--model", "target", type=click.Path(dir_okay=False), default=None,
-              help="Target GGUF (default: the --preset's, else the offline `demo` preset, its target and draft).")
-@click.option("-d", "--draft", type=click.Path(dir_okay=False), default=None,
-              help="Draft GGUF (default without -m: the preset's).")
-@click.option("--preset", default=None,
-              help="A named pair from `ggufspec models` (target, draft or heads), fetched from the hub when needed.")
-@click.option("-p", "--prompts", "prompt_file", required=True, type=click.Path(dir_okay=False),
-              help="JSONL (Spec-Bench `turns` or HumanEval `prompt`) or a text file, one prompt a line.")
-@click.option("--limit", type=click.IntRange(min=1), default=None, help="Use the first N prompts.")
-@click.option("--per-category", type=click.IntRange(min=1), default=None,
-              help="Use the first N prompts of each category (before --limit).")
-@click.option("--method", "methods", multiple=True, type=click.Choice(list(METHODS)),
-              help="Methods to compare (repeatable; default: autoregressive, vanilla with a draft, medusa with "
-                   "--medusa heads, and auto; without either: autoregressive and auto, which is prompt lookup where "
-                   "it pays).")
-@click.option("--temp", "temps", multiple=True, type=click.FloatRange(min=0), help="Temperatures (repeatable; default 0).")
-@click.option("-n", "--max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
-@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
-@click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True)
-@click.option("--draft-max", type=click.IntRange(min=1), default=4, show_default=True)
-@click.option("--draft-p-min", type=click.FloatRange(0, 1), default=0.0, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--medusa", "medusa_path", type=click.Path(dir_okay=False), default=None,
-              help="Medusa heads GGUF for --method medusa.")
-@click.option("--tree", "medusa_tree", default=None, help="Medusa candidate tree (see `generate --help`).")
-@click.option("--medusa-vocab", "medusa_vocab", metavar="N|FILE", default=None,
-              help="Medusa's restricted candidate vocabulary (see `generate --help`).")
-@click.option("--fresh-context", "fresh", is_flag=True,
-              help="Empty the KV caches before every run: no prefix reuse, so every method sees the same KV layout.")
-@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="Write all runs and the summary as JSON.")
-@click.option("--plot", "plot_prefix", type=click.Path(dir_okay=False), default=None,
-              help="Write PREFIX-speedup.png and PREFIX-acceptance.png (needs matplotlib: pip install 'ggufspec[plot]').")
-@click.option("--replay", is_flag=True,
-              help="Instead of timing runs: record each prompt's greedy text and the draft's guesses once, then price "
-                   "autoregressive, vanilla, lookup, auto and a per-step oracle with the measured cost model.")
-@model_options
-def bench(target, draft, preset, prompt_file, limit, per_category, methods, temps, max_tokens, repeats, warmup, draft_max,
+@options_for("bench")
+def bench(target, draft, preset, prompts_path, limit, per_category, methods, temps, max_tokens, repeats, warmup, draft_max,
           draft_p_min, seed, medusa_path, medusa_tree, medusa_vocab, fresh, output, plot_prefix, replay,
           **model_opts) -> None:
     """Compare methods side by side on a prompt set: tok/s and speedup (median over repetitions, with their
@@ -458,7 +505,7 @@ def bench(target, draft, preset, prompt_file, limit, per_category, methods, temp
                         to_json)
     from .engine import SpeculativeEngine
 
-    prompts = load_prompts(prompt_file, limit, per_category)  # a bad file fails before any model is fetched
+    prompts = load_prompts(prompts_path, limit, per_category)  # a bad file fails before any model is fetched
     options = decoder_options(**model_opts)
     if target is None:  # as generate/chat/serve: the preset's files, the offline demo pair by default
         preset = preset or "demo"
@@ -500,7 +547,7 @@ def bench(target, draft, preset, prompt_file, limit, per_category, methods, temp
     if output:
         meta = {"target": str(target), "draft": str(draft) if draft else None, "medusa": medusa_path, "preset": preset,
                 "medusa_vocab": medusa_vocab,
-                "prompts": str(prompt_file),
+                "prompts": str(prompts_path),
                 "threads": options.n_threads, "kv_type": kv_type}
         Path(output).write_text(to_json(cfg, runs, rows, meta))
         click.echo(f"wrote {output}", err=True)
@@ -574,9 +621,7 @@ def models_cmd(gpu: bool) -> None:
 
 
 @main.command()
-@click.option("-m", "--model", "target", type=click.Path(dir_okay=False), default=None, help="A model to load and describe.")
-@click.option("-d", "--draft", type=click.Path(dir_okay=False), default=None, help="A draft model to describe too.")
-@model_options
+@options_for("doctor")
 def doctor(target, draft, **model_opts) -> None:
     """Print versions, CPU features, the CPU kernels in use (and any avoided), where models' weights go: paste it
     into bug reports."""

@@ -94,3 +94,24 @@ def test_bytes_that_are_not_utf8_are_named_by_their_offset_in_the_input(smollm2_
     r = cli("generate", "-m", smollm2_path, "-n", "4", "café".encode("latin-1"))
     assert r.returncode == 2 and b"the prompt is not UTF-8 text: byte 0xe9 at offset 3" in r.stderr, r.stderr
     assert b"Traceback" not in r.stderr and b"surrogates" not in r.stderr
+
+
+# Where bench's option of a name differs from generate's, on purpose (each is a `per` entry of cli.OPTIONS): its -n
+# counts tokens per run (1 at least, 128 by default) and its --seed is 0 so that runs repeat, neither with llama.cpp's
+# spellings -s, --n-predict; nor has it taken -md, --model-draft, --draft-n (a change bench --help would show).
+BENCH_OWN = {"max_tokens", "seed", "draft", "draft_max"}
+
+
+def test_bench_declares_the_options_it_shares_with_generate_alike() -> None:
+    params = {command: {p.name: p for p in main.commands[command].params} for command in ("generate", "bench")}
+    shared = params["generate"].keys() & params["bench"].keys()
+    assert {"target", "preset", "medusa_vocab", "n_ctx", "kv_type", "no_memory_check"} <= shared
+    for name in shared:
+        g, b = params["generate"][name], params["bench"][name]
+        assert set(b.opts + b.secondary_opts) <= set(g.opts + g.secondary_opts), name  # a flag means one thing
+        if name not in BENCH_OWN:
+            assert (b.opts, b.secondary_opts, b.default) == (g.opts, g.secondary_opts, g.default), name
+    assert BENCH_OWN <= shared
+    for command in ("generate", "chat", "serve", "bench", "doctor"):  # and no command declares a flag twice
+        flags = [f for p in main.commands[command].params for f in p.opts + p.secondary_opts]
+        assert len(flags) == len(set(flags)), command
