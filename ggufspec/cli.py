@@ -472,9 +472,9 @@ def _from_preset(name: str, draft: str | None, medusa: str | None, method: str |
     p, r, draft_max = _preset(name, draft_max, gpu)
     method = method or p.method
     m = METHODS[method]
-    if draft is None and m.uses_draft and r.draft is not None:
+    if draft is None and "draft" in m.proposers and r.draft is not None:
         draft = str(r.draft)
-    if medusa is None and m.needs_heads and r.medusa is not None:
+    if medusa is None and m.needs == "heads" and r.medusa is not None:
         medusa = str(r.medusa)
     return str(r.target), draft, medusa, method, draft_max
 

@@ -16,19 +16,22 @@ import numpy as np
 from .chat import Message, chat_tokens, prestart
 from .costs import CostModel, cached_measure
 from .decoder import DecoderOptions, LlamaCppDecoder
-from .drafters import AutoDrafter, LookupDrafter, ModelDrafter, prefill
 from .errors import ContextLengthError, GGUFSpecError, ModelFileError
 from .gguf_check import read_header
 from .memory import check_memory
 from .medusa.candidates import special_ids
 from .medusa.heads import ARCH as MEDUSA_ARCH, Heads, heads_memory, medusa_decoder_options
-from .methods import METHODS, Method, Run, Step, get_method
-from .methods.medusa import TreeSizer
+from .loop import generate_steps
+from .methods import METHODS, Method, get_method
+from .policy import Policy, TreeSizer
+from .policy.auto import AutoPolicy
+from .proposers import PROPOSERS, Proposer, Setup
 from .pairing import check_pair
 from .sampling import SamplingParams
 from .stats import Stats
 from .textstream import TextStream
 from .trees import Tree, build_tree, load_tree
+from .verifier import Verdict, Verifier
 
 StopReason = Literal["stop", "max_tokens", "length", "interrupted"]
 MEDUSA_DENSE_SIZES = 3  # Medusa's cost model: batches of 1..4 tokens measured, then 16, 32, 64 (interpolated between)
@@ -107,7 +110,7 @@ class SpeculativeEngine:
         self.last_result: GenerationResult | None = None
         self.medusa: Heads | None = None  # set by load(medusa_path=...)
         self.costs = costs  # the cost model `auto` prices steps with: measured at its first run when None
-        self._auto: dict[bool, AutoDrafter] = {}  # with and without a draft model, kept across generations
+        self._auto: dict[bool, AutoPolicy] = {}  # with and without a draft model, kept across generations
         self._sizers: dict[tuple, TreeSizer] = {}  # Medusa's, per tree
         self._lock = threading.Lock()
         self._closed = False
@@ -221,29 +224,26 @@ class SpeculativeEngine:
 
     def _run(self, prompt: Prompt, s: GenerationSettings) -> Iterator[GenerationResponse]:
         method = self.method_for(s)
-        draft = self.draft if method.uses_draft else None  # other methods leave its context as it is
+        sources = method.sources(self.draft is not None, self.medusa is not None)
+        draft = self.draft if "draft" in sources else None  # other methods leave its context as it is
         n_ctx = None if s.truncate_prompt else self._n_ctx(draft)
         try:
             tokens = self.encode(prompt, n_ctx)
         except ContextLengthError as e:
             raise ContextLengthError(f"{e} (or allow --truncate-prompt)") from None
         tokens, limit = self._fit(tokens, s, draft)
-        run = self._prepare(method, s, tokens[-1], limit, draft)  # before the prefill: see auto_drafter
+        verifier, proposers, policy = self._prepare(method, sources, s, draft)  # before the prefill: see auto_policy
         meter = _Meter(self.target, draft, Stats(prompt_tokens=len(tokens), method=method.name))
         out: list[int] = []
         text = TextStream(s.stop)
         reason: StopReason = "interrupted"
         finished = False
         try:
-            # The last prompt token is decoded by the first step, so every position is decoded once.
-            prefill(self.target, tokens[:-1])
-            if run.drafter is not None:
-                run.drafter.prefill(tokens[:-1])
-            meter.prefilled()
             reason = "length" if limit < s.max_tokens else "max_tokens"
             stop_ids = set(s.stop_tokens)
             is_stop = lambda tok: self.target.vocab.is_eog(tok) or tok in stop_ids  # noqa: E731
-            with closing(_committed(method.steps(run), meter.stats, is_stop)) as committed:
+            steps = generate_steps(tokens, verifier, proposers, policy, limit, meter.prefilled)
+            with closing(_committed(steps, meter.stats, is_stop)) as committed:
                 for tok, from_draft in committed:
                     if tok is None:
                         reason = "stop"
@@ -275,19 +275,16 @@ class SpeculativeEngine:
             d.shift_keep = min(len(tokens), n_ctx // 4) if s.context_shift else None
         return tokens, s.max_tokens if s.context_shift else min(s.max_tokens, n_ctx - len(tokens))
 
-    def _prepare(self, method: Method, s: GenerationSettings, last: int, limit: int,
-                 draft: LlamaCppDecoder | None) -> Run:
-        run = Run(self.target, last, limit, s.sampling, np.random.default_rng(s.seed), s.draft_max, typical=s.typical)
-        heads = method.needs_heads or (method.uses_heads and self.medusa is not None and draft is None)
-        if heads:
-            tree = self.medusa_tree(s)
-            run.heads, run.tree = self.medusa, tree
-            if s.medusa_tree is None or not method.needs_heads:  # auto, or a tree not named: cut to what pays here
-                run.sizer = self.tree_sizer(tree)
-        if method.drafter is not None:  # auto with heads: lookup, priced by the cost model the sizer measured
-            run.drafter = method.drafter(self, s, draft)
-            run.k_max = getattr(run.drafter, "k_cap", s.draft_max)  # auto: lookup's long guesses may go further
-        return run
+    def _prepare(self, method: Method, sources: tuple[str, ...], s: GenerationSettings,
+                 draft: LlamaCppDecoder | None) -> tuple[Verifier, dict[str, Proposer], Policy]:
+        """This generation's verifier, proposers and policy (one random generator for all: a seed repeats a run)."""
+        rng = np.random.default_rng(s.seed)
+        tree = self.medusa_tree(s) if "medusa" in sources else None
+        leaves = self.target.options.n_seq_max - 1 if method.draft_trees else 0
+        setup = Setup(self.target, s.sampling, rng, draft, s.draft_p_min, leaves, self.medusa, tree)
+        proposers = {name: PROPOSERS[name].build(setup) for name in sources}
+        policy = method.policy(self, s, sources, tree)
+        return Verifier(self.target, s.sampling, rng, hidden=tree is not None, typical=s.typical), proposers, policy
 
     def medusa_tree(self, s: GenerationSettings) -> Tree:
         """The tree a Medusa run with settings `s` draws its nodes from: the one named, else the heads' own fitted
@@ -310,20 +307,18 @@ class SpeculativeEngine:
             sizer = self._sizers[tree.choices] = TreeSizer(tree, costs)
         return sizer
 
-    def auto_drafter(self, s: GenerationSettings, draft: LlamaCppDecoder | None) -> AutoDrafter:
-        """`auto`'s drafter, which keeps what it learned across generations; its first run measures the cost
-        model (unless one was given), which resets the contexts: call it before the prefill."""
-        n_vocab = self.target.n_vocab
-        lookup = LookupDrafter(n_vocab)
-        tree_leaves = self.target.options.n_seq_max - 1
-        model = ModelDrafter(draft, n_vocab, s.draft_p_min, tree_leaves) if draft is not None else None
+    def auto_policy(self, s: GenerationSettings, model: bool, tree: Tree | None) -> AutoPolicy:
+        """`auto`'s policy, which keeps what it learned across generations; its first run measures the cost model
+        (unless one was given), which resets the contexts: call it before the prefill. With Medusa's `tree` (no
+        draft model), the tree's sizer joins it."""
+        sizer = self.tree_sizer(tree) if tree is not None else None  # first: with no draft, it measures self.costs
         if self.costs is None or len(self.costs.verify) < s.draft_max + 1:
-            self.costs = cached_measure(self.target, draft, s.draft_max)
-        auto = self._auto.get(model is not None)
+            self.costs = cached_measure(self.target, self.draft if model else None, s.draft_max)
+        auto = self._auto.get(model)
         if auto is None or auto.k_max != s.draft_max or auto.costs is not self.costs:
-            auto = self._auto[model is not None] = AutoDrafter(lookup, model, self.costs, s.draft_max, self.target, draft)
-        auto.lookup, auto.model = lookup, model  # this generation's settings (draft_p_min)
-        return auto.restart()
+            auto = self._auto[model] = AutoPolicy(self.costs, s.draft_max, model)
+        auto.sizer = sizer
+        return auto
 
     def reset(self) -> None:
         """Empty both KV caches: the next generation prefills from scratch (no prefix reuse)."""
@@ -345,7 +340,7 @@ class SpeculativeEngine:
         self.close()
 
 
-def _committed(steps: Iterator[Step], stats: Stats, is_stop: Callable[[int], bool]) -> Iterator[tuple[int | None, bool]]:
+def _committed(steps: Iterator[Verdict], stats: Stats, is_stop: Callable[[int], bool]) -> Iterator[tuple[int | None, bool]]:
     """Each step's tokens, and whether a draft proposed it (steps counted in `stats`); None at a stop token."""
     try:
         for step in steps:

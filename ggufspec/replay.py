@@ -16,14 +16,15 @@ import numpy as np
 
 from .bench import BenchPrompt
 from .costs import CostModel
-from .drafters import AutoDrafter, Draft, LookupDrafter
 from .engine import GenerationSettings, SpeculativeEngine
 from .methods import METHODS
-from .sampling import SamplingParams
+from .policy.auto import AutoPolicy
+from .proposers import NO_DRAFT, Context, Counters, Draft
+from .proposers.lookup import LookupProposer
+from .verifier import Verdict
 
 # the methods that draft with a draft model or lookup (or not at all), and the per-step oracle
-POLICIES = tuple(m.name for m in METHODS.values() if not m.needs_heads) + ("oracle",)
-GREEDY = SamplingParams(temperature=0.0)
+POLICIES = tuple(m.name for m in METHODS.values() if m.needs != "heads") + ("oracle",)
 
 
 @dataclass
@@ -88,21 +89,17 @@ def replay(traces: Iterable[Trace], costs: CostModel, policy: str, k: int, max_t
     """Price every step of `policy` (one of POLICIES) with draft length k over the traces."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}: one of {', '.join(POLICIES)}")
-    lookup = LookupDrafter(n_vocab=0)
-    auto = None
-    if policy == "auto":
-        auto = AutoDrafter(lookup, _Guesses([]), costs.copy(), k)
+    lookup = LookupProposer(n_vocab=0)
+    auto = AutoPolicy(costs.copy(), k, model=True) if policy == "auto" else None
     total = Replay()
     for tr in traces:
+        guesses = _Guesses(tr.guess)
         if auto is not None:
-            auto.model = _Guesses(tr.guess)
-            auto.restart()
+            auto.begin(tr.tokens[: tr.prompt_len - 1], {"lookup": lookup, "draft": guesses})
         t, end = tr.prompt_len, min(len(tr.tokens), tr.prompt_len + max_tokens)
         while t < end:
             room = min(k, end - t - 1)  # as the engine does: never draft past the token limit
             model = [tr.guess[i] if i < len(tr.guess) else -1 for i in range(t - 1, t - 1 + room)]
-            if auto is not None:  # its lookup may guess further than k where the text copies itself
-                room = min(auto.k_cap, end - t - 1)
             options = {  # proposal, draft decodes it costs
                 "autoregressive": ([], 0),
                 "vanilla": (model, room),
@@ -111,14 +108,17 @@ def replay(traces: Iterable[Trace], costs: CostModel, policy: str, k: int, max_t
             if policy == "oracle":
                 rate = lambda o: (kept(o[0], tr.tokens, t) + 1) / _cost(costs, *o)  # noqa: E731
                 proposal, decodes = max(options.values(), key=rate)
-            elif auto is not None:
-                proposal = auto.propose(tr.tokens[:t], room, GREEDY, None).tokens
-                decodes = len(proposal) if auto.source is auto.model_length else 0
+            elif auto is not None:  # its lookup may guess further than k where the text copies itself
+                plan = auto.plan(Context(tr.tokens[:t]), end - t, 0)
+                draft = {"lookup": lookup, "draft": guesses}[plan.source].propose(Context(tr.tokens[:t]), plan.k) \
+                    if plan.source else NO_DRAFT
+                proposal, decodes = draft.tokens, len(draft.tokens) if plan.source == "draft" else 0
             else:
                 proposal, decodes = options[policy]
             n_kept = kept(proposal, tr.tokens, t)
             if auto is not None:
-                auto.observe(len(proposal), n_kept)
+                verdict = Verdict(tr.tokens[t : t + n_kept + 1], len(proposal), 0.0, len(proposal) + 1, 0)
+                auto.observe(plan, draft, verdict, None)
             total.seconds += _cost(costs, proposal, decodes)
             total.tokens += min(n_kept + 1, end - t)
             total.passes += 1
@@ -129,12 +129,18 @@ def replay(traces: Iterable[Trace], costs: CostModel, policy: str, k: int, max_t
 class _Guesses:
     """The draft model, replayed: its recorded guesses along the trace (right until the first miss)."""
 
+    name = "draft"
+
     def __init__(self, guess: list[int]) -> None:
         self.guess = guess
+        self.counters = Counters()
 
-    def propose(self, context, k, params, rng):
-        t = len(context)
+    def propose(self, context: Context, k: int, plan_nodes=None) -> Draft:
+        t = len(context.tokens)
         return Draft([self.guess[i] if i < len(self.guess) else -1 for i in range(t - 1, t - 1 + k)])
+
+    def unseen(self, context: list[int]) -> int:
+        return 0  # a replay has no draft context to catch up on
 
 
 def _cost(costs: CostModel, proposal: list[int], decodes: int) -> float:

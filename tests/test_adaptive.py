@@ -10,15 +10,46 @@ import pytest
 
 import ggufspec.costs as costs_module
 from ggufspec.costs import ContextCosts, CostModel, measure
-from ggufspec.drafters import (LONG_MATCH, MIN_GAIN, PHRASE_MATCH, PROBE_EVERY, PROBE_GAIN, AdaptiveLength,
-                               AutoDrafter, Draft, LookupDrafter, ModelDrafter)
+from ggufspec.policy import PLAIN, Plan, Timing
+from ggufspec.policy.adaptive import MIN_GAIN, PHRASE_MATCH, PROBE_EVERY, PROBE_GAIN, AdaptiveLength
+from ggufspec.policy.auto import AutoPolicy
+from ggufspec.policy.tree_sizer import TreeSizer
+from ggufspec.proposers import NO_DRAFT, Context, Draft, Proposer
+from ggufspec.proposers.draft_model import DraftModelProposer
+from ggufspec.proposers.lookup import LONG_MATCH, LookupProposer
 from ggufspec.sampling import SamplingParams, probabilities, softmax
+from ggufspec.trees import build_tree
+from ggufspec.verifier import Verdict, point_mass
 
 from conftest import open_decoder
 
 
+def begin(policy: AutoPolicy, lookup: LookupProposer, model: DraftModelProposer | None = None,
+          prompt: list[int] | None = None) -> dict[str, Proposer]:
+    """`auto`'s proposers for a generation after `prompt`, as the engine starts one (replay.py too)."""
+    proposers: dict[str, Proposer] = {"lookup": lookup, **({"draft": model} if model is not None else {})}
+    policy.begin(prompt or [], proposers)
+    return proposers
+
+
+def step(policy: AutoPolicy, proposers: dict[str, Proposer], context: list[int], k: int,
+         deferred: int = 0) -> tuple[Plan, Draft]:
+    """One step of up to k draft tokens after `context`: the policy plans, the proposer it names proposes."""
+    ctx = Context(list(context))
+    plan = policy.plan(ctx, room=k + 1, deferred=deferred)
+    return plan, proposers[plan.source].propose(ctx, plan.k) if plan.source else NO_DRAFT
+
+
+def judge(policy: AutoPolicy, plan: Plan, draft: Draft, kept: int, timing: Timing | None = None) -> None:
+    """The target kept the first `kept` tokens of the step's draft (then picked a token of its own); timing None:
+    the step is priced from the cost model alone, as replays are."""
+    verdict = Verdict([*draft.tokens[:kept], 0], len(draft.tokens), timing.verify_seconds if timing else 0.0,
+                      len(draft.tokens) + 1, 0)
+    policy.observe(plan, draft, verdict, timing)
+
+
 def test_lookup_continues_the_latest_longest_match() -> None:
-    d = LookupDrafter(n_vocab=100, ngram_max=3, ngram_min=1)
+    d = LookupProposer(n_vocab=100, ngram_max=3, ngram_min=1)
     assert d.find([1, 2, 3, 4, 9, 1, 2, 3, 5, 6, 1, 2, 3], 3) == [5, 6, 1]  # latest of two 3-gram matches
     assert d.find([1, 2, 3, 4, 5, 9, 4, 5], 2) == [9, 4]  # 3-gram "9 4 5"? no: falls back to "4 5"
     assert d.find([1, 2, 3], 2) == []
@@ -26,14 +57,16 @@ def test_lookup_continues_the_latest_longest_match() -> None:
     loop = [3, 1, 4, 1, 5, 9, 2] * 4  # text in a loop: the guess goes round it, not only to the tail
     assert d.find(loop, 17) == (loop * 2)[:17]
     assert d.find([1, 2, 3, 4, 5, 1, 2], 3) == [3, 4, 5]  # room before the tail: as before
-    tokens, q, tree = d.propose([5, 6, 8, 5, 6], 2, SamplingParams(1.0), np.random.default_rng(0))
-    assert tokens == [8, 5] and q.shape == (2, 100) and q[0, 8] == q[1, 5] == 1 and q.sum() == 2 and tree is None
+    draft = d.propose(Context([5, 6, 8, 5, 6]), 2)
+    assert draft.tokens == [8, 5] and draft.tree is None and draft.q is None  # point guesses: the verifier's one-hot rows
+    q = point_mass(draft.tokens, 100)
+    assert q.shape == (2, 100) and q[0, 8] == q[1, 5] == 1 and q.sum() == 2
 
 
 def test_lookup_prefers_the_copy_to_a_later_chance_match() -> None:
     """A phrase repeated since (a chance match, latest) does not hide the passage the tail copies: the longest
     match wins, the latest among equals."""
-    d = LookupDrafter(n_vocab=100)
+    d = LookupProposer(n_vocab=100)
     s = list(range(10, 40))
     text = s + [91, 92, 93] + s[20:24] + [95] + s[:24]  # the tail copies s; its last 4 tokens also stand after 93
     assert d.find(text, 5) == s[24:29] and d.match == LONG_MATCH
@@ -115,17 +148,20 @@ def test_short_guesses_kept_whole_teach_the_deep_positions() -> None:
 
 
 def test_a_long_lookup_guess_needs_a_long_copy_before_it() -> None:
-    greedy, rng = SamplingParams(), np.random.default_rng(0)
-    auto = AutoDrafter(LookupDrafter(200), None, LONG.copy(), 3)
+    auto = AutoPolicy(LONG.copy(), 3, model=False)
+    proposers = begin(auto, LookupProposer(200))
     for length in (auto.lookup_length, auto.copy_length):  # chance n-grams and copies: each keeps its own record
         length.acceptance = [0.99] * len(length.acceptance)
         length.update(3, 3)  # the last guess was kept whole
     text = list(range(10, 90))  # 80 distinct tokens
     assert auto.k_cap == 63
-    guess = auto.propose(text + text[:20], auto.k_cap, greedy, rng).tokens  # 20 tokens into a copy of it
-    assert len(guess) > 3 and guess == text[20 : 20 + len(guess)] and auto.lookup.match == LONG_MATCH
-    chance = auto.propose(text + [199, 198, 15, 16], auto.k_cap, greedy, rng).tokens  # only "15 16" repeats
-    assert chance == [17, 18, 19] and auto.lookup.match == 2
+    plan, draft = step(auto, proposers, text + text[:20], auto.k_cap)  # 20 tokens into a copy of it
+    guess = draft.tokens
+    assert plan == Plan("lookup", len(guess)) and auto.source is auto.copy_length
+    assert len(guess) > 3 and guess == text[20 : 20 + len(guess)] and proposers["lookup"].match == LONG_MATCH
+    plan, draft = step(auto, proposers, text + [199, 198, 15, 16], auto.k_cap)  # only "15 16" repeats
+    assert plan == Plan("lookup", 3) and auto.source is auto.lookup_length
+    assert draft.tokens == [17, 18, 19] and proposers["lookup"].match == 2
 
 
 def test_adaptive_turns_off_probes_and_comes_back() -> None:
@@ -225,24 +261,22 @@ def test_no_model_probes_where_a_perfect_run_would_gain_only_a_little() -> None:
 def test_a_probe_is_charged_the_draft_catching_up() -> None:
     """A probe pays only if it beat plain steps counting every second it took, the draft's catch-up batch too."""
     fast = CostModel([0.082, 0.138, 0.194, 0.131], 0.012)  # where drafting pays (4 tokens for 1.6 decodes)
-    clock = lambda: SimpleNamespace(decode_seconds=0.0, n_decodes=0, n_decoded_tokens=0)  # noqa: E731
     gaps = {}
     for catch_up in (0.0, 0.4):
-        target, draft = clock(), clock()
-        policy = AdaptiveLength(CostModel(list(fast.verify), fast.draft), k_max=3, target=target, draft=draft)
+        policy = AdaptiveLength(CostModel(list(fast.verify), fast.draft), k_max=3)
         policy.acceptance = [0.3] * 3  # off, probing
         gaps[catch_up], since = [], 0
         for _ in range(150):
             k = policy.choose()
             since += 1
-            target.decode_seconds += policy.costs.verify[k]
+            # the step as timed: the target's batch at its priced cost; a probe's draft catches up on 16 tokens in
+            # one batch, then drafts k
+            timing = Timing(policy.costs.verify[k], k + 1)
             if k:
                 gaps[catch_up].append(since)
                 since = 0
-                draft.decode_seconds += catch_up + k * fast.draft
-                draft.n_decodes += k + 1
-                draft.n_decoded_tokens += k + 16
-            policy.update(k, 2 if k else 0)  # 3 tokens for one 4-token batch: worth it, unless the catch-up
+                timing = Timing(policy.costs.verify[k], k + 1, catch_up + k * fast.draft, k + 1, k + 16)
+            policy.update(k, 2 if k else 0, timing)  # 3 tokens for one 4-token batch: worth it, unless the catch-up
             policy.acceptance = [0.3] * 3
     assert gaps[0.0][:3] == [PROBE_EVERY] * 3
     assert gaps[0.4][:3] == [PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY]
@@ -252,21 +286,26 @@ def test_auto_uses_lookup_where_the_draft_model_cannot_pay(tiny_target, tiny_dra
     greedy, rng = SamplingParams(), np.random.default_rng(0)
     with open_decoder(tiny_draft) as d:
         costs = CostModel(list(AVX2.verify), AVX2.draft)
-        auto = AutoDrafter(LookupDrafter(d.n_vocab), ModelDrafter(d, d.n_vocab), costs, 3)
+        auto = AutoPolicy(costs, 3, model=True)
+        proposers = begin(auto, LookupProposer(d.n_vocab), DraftModelProposer(d, d.n_vocab, greedy, rng))
         auto.lookup_length.acceptance = [0.95] * 3  # lookup has been right: verifying its guesses pays
         repeat = [1, 2, 8, 9, 5, 6, 7, 3, 4, 8, 9]  # "8 9" said again: a chance match, priced on its record
-        assert auto.propose(repeat, 3, greedy, rng).tokens == [5, 6, 7] and auto.source is auto.lookup_length
-        auto.observe(3, 0)
+        plan, draft = step(auto, proposers, repeat, 3)
+        assert plan == Plan("lookup", 3) and draft.tokens == [5, 6, 7] and auto.source is auto.lookup_length
+        judge(auto, plan, draft, 0)
         # no earlier match: the draft model, which cannot pay here, is not run; a plain step
-        assert auto.propose([11, 12, 13, 14], 3, greedy, rng) == Draft([])
+        plan, draft = step(auto, proposers, [11, 12, 13, 14], 3)
+        assert plan == PLAIN and draft == Draft([])
         assert auto.source is auto.model_length and d.n_decodes == 0
-        auto.observe(0, 0)
+        judge(auto, plan, draft, 0)
         # where the draft model pays (a Q4_0 target on an AVX-512 machine here), it drafts
         fast = CostModel([0.082, 0.138, 0.194, 0.131], 0.012)
-        auto = AutoDrafter(LookupDrafter(d.n_vocab), ModelDrafter(d, d.n_vocab), fast, 3)
+        auto = AutoPolicy(fast, 3, model=True)
+        proposers = begin(auto, LookupProposer(d.n_vocab), DraftModelProposer(d, d.n_vocab, greedy, rng))
         auto.model_length.acceptance = [0.8] * 3
-        tokens = auto.propose([11, 12, 13, 14], 3, greedy, rng).tokens
-        assert len(tokens) == 3 and auto.source is auto.model_length and d.n_decodes > 0
+        plan, draft = step(auto, proposers, [11, 12, 13, 14], 3)
+        assert plan == Plan("draft", 3) and len(draft.tokens) == 3
+        assert auto.source is auto.model_length and d.n_decodes > 0
 
 
 # One cost model measured on an Intel Xeon (AVX-512) 2-core machine here: a 4-token batch 1.54 decodes, the draft 0.14
@@ -283,18 +322,22 @@ def test_lookup_gives_way_to_a_better_draft_model(tiny_draft) -> None:
         # taken as free, lookup looked better (2.44 tokens a 4-token batch against 2.91 for a batch and 3 drafts),
         # and `auto` ran at 0.9x of vanilla there; charged the draft's catch-up, it does not
         assert XEON.expected_rate(3, lookup_kept, free=True) > XEON.expected_rate(3, model_kept)
-        for kept, source in ((lookup_kept, "model"), ([0.98] * 3, "lookup")):
-            auto = AutoDrafter(LookupDrafter(d.n_vocab), ModelDrafter(d, d.n_vocab), CostModel(list(XEON.verify), XEON.draft), 3)
+        for kept, source in ((lookup_kept, "draft"), ([0.98] * 3, "lookup")):
+            auto = AutoPolicy(CostModel(list(XEON.verify), XEON.draft), 3, model=True)
+            proposers = begin(auto, LookupProposer(d.n_vocab), DraftModelProposer(d, d.n_vocab, greedy, rng))
             auto.model_length.acceptance = list(model_kept)
             auto.lookup_length.acceptance = list(kept)
-            tokens = auto.propose(repeat, 3, greedy, rng).tokens
-            used = "lookup" if auto.source is auto.lookup_length else "model"
-            assert used == source and (tokens == [5, 6, 7]) == (source == "lookup")
+            plan, draft = step(auto, proposers, repeat, 3)
+            record = auto.lookup_length if source == "lookup" else auto.model_length
+            assert plan.source == source and auto.source is record
+            assert (draft.tokens == [5, 6, 7]) == (source == "lookup")
         # where the draft model does not draft at all, lookup is truly free and is used at 60% too
-        auto = AutoDrafter(LookupDrafter(d.n_vocab), ModelDrafter(d, d.n_vocab), CostModel(list(XEON.verify), XEON.draft), 3)
+        auto = AutoPolicy(CostModel(list(XEON.verify), XEON.draft), 3, model=True)
+        proposers = begin(auto, LookupProposer(d.n_vocab), DraftModelProposer(d, d.n_vocab, greedy, rng))
         auto.model_length.acceptance = [0.1] * 3
         auto.lookup_length.acceptance = list(lookup_kept)
-        assert auto.propose(repeat, 3, greedy, rng).tokens == [5, 6, 7] and auto.source is auto.lookup_length
+        plan, draft = step(auto, proposers, repeat, 3)
+        assert plan == Plan("lookup", 3) and draft.tokens == [5, 6, 7] and auto.source is auto.lookup_length
 
 
 @pytest.mark.parametrize("costs,prefilled", [(XEON, True), (AVX2, False)])
@@ -362,78 +405,100 @@ def test_cost_cache_is_per_machine(tiny_target, tiny_draft, tmp_path, monkeypatc
 def test_costs_learned_at_a_long_context_do_not_price_a_short_one() -> None:
     """Lookup steps time themselves too, and what batches cost after 700 tokens (here 2.4 decodes for 4 tokens,
     where flash attention changes kernels) turns lookup off there, yet leaves it on after 100 tokens."""
-    greedy, rng = SamplingParams(), np.random.default_rng(0)
-    target = SimpleNamespace(decode_seconds=0.0, n_decodes=0, n_decoded_tokens=0)
-    auto = AutoDrafter(LookupDrafter(100), None, CostModel(list(XEON.verify), XEON.draft), 3, target=target)
+    auto = AutoPolicy(CostModel(list(XEON.verify), XEON.draft), 3, model=False)
+    proposers = begin(auto, LookupProposer(100))
     costs_at_700 = [0.125, 0.21, 0.26, 0.30]
     verified = []
     for _ in range(15):
         # at the XEON costs, 0.6 pays; at those after 700 tokens, not (this text is a copy of itself: both estimates)
         auto.lookup_length.acceptance = auto.phrase_length.acceptance = auto.copy_length.acceptance = [0.6] * 3
-        tokens = auto.propose([5, 6, 7, 8, 9] * 140, 3, greedy, rng).tokens
-        target.decode_seconds += costs_at_700[len(tokens)]
-        auto.observe(len(tokens), min(1, len(tokens)))
-        verified.append(len(tokens))
+        plan, draft = step(auto, proposers, [5, 6, 7, 8, 9] * 140, 3)
+        n = len(draft.tokens)
+        assert plan.k == n and plan.source == ("lookup" if n else None)
+        judge(auto, plan, draft, min(1, n), Timing(costs_at_700[n], n + 1))  # the target's batch took this long
+        verified.append(n)
     assert verified[0] == 3 and verified[-5:] == [0] * 5
     auto.lookup_length.acceptance = auto.phrase_length.acceptance = auto.copy_length.acceptance = [0.6] * 3
-    assert auto.propose([5, 6, 7, 8, 9] * 20, 3, greedy, rng).tokens == [5, 6, 7]
+    plan, draft = step(auto, proposers, [5, 6, 7, 8, 9] * 20, 3)
+    assert plan == Plan("lookup", 3) and draft.tokens == [5, 6, 7]
     assert auto.costs.verify == XEON.verify  # the start-up measurement prices short contexts still
 
 
 def test_copies_are_priced_by_their_own_record() -> None:
     """Where chance n-gram guesses have failed (lookup off at these Zen 4 costs), a guess that continues a 16-token
     copy of earlier text is still verified, on the record of copies alone."""
-    greedy, rng = SamplingParams(), np.random.default_rng(0)
-    auto = AutoDrafter(LookupDrafter(1000), None, CostModel(list(ZEN4.verify), ZEN4.draft), 3)
+    auto = AutoPolicy(CostModel(list(ZEN4.verify), ZEN4.draft), 3, model=False)
+    proposers = begin(auto, LookupProposer(1000))
     auto.lookup_length.acceptance = [0.3] * 3
     text = list(range(100, 140))
     chance = text + [7, 8, 9] + list(range(200, 210)) + [7, 8]  # only a 2-gram stands before the guess
-    assert auto.propose(chance, 3, greedy, rng).tokens == []
+    plan, draft = step(auto, proposers, chance, 3)
+    assert plan == PLAIN and draft.tokens == [] and auto.source is auto.lookup_length
     copy = text + text[:20]  # the last 20 tokens repeat earlier text
-    assert auto.propose(copy, 3, greedy, rng).tokens == text[20:23]
-    assert auto.lookup_gain(3) > 1  # Medusa's `auto` weighs the guess against its tree on the copies' record too
-    auto.observe(3, 0)
+    plan, draft = step(auto, proposers, copy, 3)
+    assert plan == Plan("lookup", 3) and draft.tokens == text[20:23] and auto.source is auto.copy_length
+    assert auto._lookup_gain(3) > 1  # Medusa's `auto` weighs the guess against its tree on the copies' record too
+    judge(auto, plan, draft, 0)
     for _ in range(11):  # copies whose guesses are not kept turn it off too (before its first probe)
-        auto.observe(len(auto.propose(copy, 3, greedy, rng).tokens), 0)
-    assert auto.propose(copy, 3, greedy, rng).tokens == []
+        judge(auto, *step(auto, proposers, copy, 3), 0)
+    plan, draft = step(auto, proposers, copy, 3)
+    assert plan == PLAIN and draft.tokens == []
 
 
 def test_unverified_guesses_teach_their_record() -> None:
     """Guesses after a match of PHRASE_MATCH to LONG_MATCH tokens (a phrase said again, a copy's first tokens) keep
     their own record, which learns from guesses left unverified too, judged by the tokens the target commits: an
     answer that starts copying is verified after a few plain steps (not 16), a phrase that does not go on stays off."""
-    greedy, rng = SamplingParams(), np.random.default_rng(0)
-    auto = AutoDrafter(LookupDrafter(1000), None, CostModel(list(ZEN4.verify), ZEN4.draft), 3)
+    auto = AutoPolicy(CostModel(list(ZEN4.verify), ZEN4.draft), 3, model=False)
+    proposers = begin(auto, LookupProposer(1000))
     text = list(range(100, 140))
-    assert auto.propose(text + [7] + text[:3], 3, greedy, rng).tokens == [] and auto.source is auto.lookup_length
+    plan, draft = step(auto, proposers, text + [7] + text[:3], 3)
+    assert plan == PLAIN and draft.tokens == [] and auto.source is auto.lookup_length
     answer = text + [7] + text[:PHRASE_MATCH]
     plain = 0
-    while not (tokens := auto.propose(answer, 3, greedy, rng).tokens):  # the target copies text, token by token
+    while (plan := step(auto, proposers, answer, 3))[0] == PLAIN:  # the target copies text, token by token
         assert auto.source is auto.phrase_length and plain < 10
-        auto.observe(0, 0)
+        judge(auto, *plan, 0)
         answer, plain = answer + [text[len(answer) - 41]], plain + 1
-    assert plain == 3 and tokens == text[len(answer) - 41 :][:3]  # the first guess, judged once its 3 tokens came
-    auto.restart()
+    (plan, draft) = plan
+    # the first guess, judged once its 3 tokens came
+    assert plain == 3 and plan == Plan("lookup", 3) and draft.tokens == text[len(answer) - 41 :][:3]
+    begin(auto, proposers["lookup"])  # the next generation
     for n in range(12):  # the phrase is said again, then the answer goes elsewhere, time after time
         elsewhere = text + [7] + text[:PHRASE_MATCH] + [900 + n] * 3
         for i in range(len(text) + 1 + PHRASE_MATCH, len(elsewhere) + 1):
-            auto.observe(len(auto.propose(elsewhere[:i], 3, greedy, rng).tokens), 0)
+            judge(auto, *step(auto, proposers, elsewhere[:i], 3), 0)
     assert auto.phrase_length.acceptance[0] < 0.5  # learned from guesses it never verified
-    assert auto.propose(text + [7] + text[:PHRASE_MATCH], 3, greedy, rng).tokens == []
+    plan, draft = step(auto, proposers, text + [7] + text[:PHRASE_MATCH], 3)
+    assert plan == PLAIN and draft.tokens == []
 
 
 def test_a_guess_that_loses_to_a_tree_is_judged_as_one_left_unverified() -> None:
     """Medusa's `auto` withdraws a lookup guess when the sized tree is expected to commit more: the guess still
     teaches its record once the target has committed the tokens it named."""
-    greedy, rng = SamplingParams(), np.random.default_rng(0)
-    auto = AutoDrafter(LookupDrafter(1000), None, CostModel(list(ZEN4.verify), ZEN4.draft), 3)
+    costs = CostModel(list(ZEN4.verify), ZEN4.draft)
+    tree = build_tree([(0,), (0, 0), (0, 0, 0)])  # Medusa heads as sure of a chain as the copy is of its guess
+    sizer = TreeSizer(tree, costs)
+    sizer.kept[:] = 1.0  # at these costs, a 4-token batch committing 4 tokens beats the copy's 3-token guess
+    auto = AutoPolicy(costs, 3, model=False, sizer=sizer)
+    proposers = {"lookup": LookupProposer(1000), "medusa": SimpleNamespace(tree=tree)}  # the heads' tree: the sizer's
+    auto.begin([], proposers)
     text = list(range(100, 140))
     copying = text + [7] + text[:LONG_MATCH]
-    assert auto.propose(copying, 3, greedy, rng).tokens and auto.source is auto.copy_length
+    hidden = np.zeros(8, dtype=np.float32)  # the target's hidden state: the heads can propose
+    # without the heads' input, the copy's guess is verified
+    plan, draft = step(auto, proposers, copying, 3)
+    assert plan.source == "lookup" and draft.tokens and auto.source is auto.copy_length
     before = list(auto.copy_length.acceptance)
-    auto.withdraw()
-    auto.observe(0, 0)  # the tree's step
-    auto.propose(copying + [999], 3, greedy, rng)  # the target left the copy: the guess would have been rejected
+    plan = auto.plan(Context(copying, hidden), room=4, deferred=0)
+    # with it, the tree is expected to commit more: the guess is withdrawn, and the heads run
+    assert plan.source == "medusa" and list(plan.nodes) == [0, 1, 2, 3] and auto.source is None
+    # the tree's step: its nodes rejected, the target's own pick 999 (the target left the copy)
+    nodes = np.array([copying[-1], text[LONG_MATCH], text[LONG_MATCH + 1], text[LONG_MATCH + 2]])
+    tree_draft = Draft(nodes[1:].tolist(), tree.subtree(plan.nodes), source="medusa", candidates=nodes)
+    auto.observe(plan, tree_draft, Verdict([999], 3, 0.1, 4, 0), Timing(0.1, 4))
+    assert auto.copy_length.acceptance == before  # the tree's step teaches lookup's records nothing...
+    step(auto, proposers, copying + [999], 3)  # ...but the guess would have been rejected: it is judged so
     assert auto.copy_length.acceptance[0] < before[0]
 
 
@@ -450,15 +515,17 @@ def test_the_draft_model_is_not_started_where_its_catch_up_cannot_pay(tiny_draft
     """After a long prompt the draft was not prefilled for, its catch-up costs more than drafting can win back."""
     greedy, rng = SamplingParams(), np.random.default_rng(0)
     fast = CostModel([0.082, 0.138, 0.194, 0.131], 0.012)  # where the draft model pays
-    target = SimpleNamespace(decode_seconds=0.0, n_decoded_tokens=0)
     with open_decoder(tiny_draft) as d:
-        auto = AutoDrafter(LookupDrafter(d.n_vocab), ModelDrafter(d, d.n_vocab), fast, 3, target=target, draft=d)
+        auto = AutoPolicy(fast, 3, model=True)
+        proposers = begin(auto, LookupProposer(d.n_vocab), DraftModelProposer(d, d.n_vocab, greedy, rng))
         auto.model_length.acceptance = [0.8] * 3
         long_prompt = list(range(10, 310))  # 300 unseen tokens at 12 ms > 16 plain steps at 82 ms
-        assert auto.propose(long_prompt, 3, greedy, rng) == Draft([]) and d.n_decodes == 0
-        auto.observe(0, 0)
-        tokens = auto.propose(long_prompt[:40], 3, greedy, rng).tokens  # 40 tokens: worth catching up on
-        assert len(tokens) == 3 and auto.source is auto.model_length and d.n_decodes > 0
+        plan, draft = step(auto, proposers, long_prompt, 3)
+        assert plan == PLAIN and draft == Draft([]) and d.n_decodes == 0
+        judge(auto, plan, draft, 0)
+        plan, draft = step(auto, proposers, long_prompt[:40], 3)  # 40 tokens: worth catching up on
+        assert plan == Plan("draft", 3) and len(draft.tokens) == 3
+        assert auto.source is auto.model_length and d.n_decodes > 0
 
 
 def test_greedy_draft_trees_follow_the_draft_while_it_is_confident(tiny_draft) -> None:
@@ -469,23 +536,25 @@ def test_greedy_draft_trees_follow_the_draft_while_it_is_confident(tiny_draft) -
             p = softmax(d.sync(prefix)[-1, : d.n_vocab])
             return np.argsort(-p)[:3].tolist(), np.sort(p)[::-1][:3]
 
-        chain = ModelDrafter(d, d.n_vocab).propose(context, 3, greedy, None)
+        chain = DraftModelProposer(d, d.n_vocab, greedy, None).propose(Context(context), 3)
         assert chain.tree is None and len(chain.tokens) == 3
-        drafter = ModelDrafter(d, d.n_vocab, tree_leaves=3)
+        drafter = DraftModelProposer(d, d.n_vocab, greedy, None, tree_leaves=3)
         drafter.reach_min = 0.0  # always confident: the plain chain
-        assert drafter.propose(context, 3, greedy, None) == chain
+        assert drafter.propose(Context(context), 3) == chain
         drafter.reach_min = 1.01  # never: one guess and its two runner-ups
         top, _ = ranked(context)
         n0 = d.n_decodes
-        one = drafter.propose(context, 3, greedy, None)
+        one = drafter.propose(Context(context), 3)
         assert one.tokens == top and one.tree.choices == ((0,), (1,), (2,)) and d.n_decodes - n0 <= 1
-        leaves2 = ModelDrafter(d, d.n_vocab, tree_leaves=2)
+        leaves2 = DraftModelProposer(d, d.n_vocab, greedy, None, tree_leaves=2)
         leaves2.reach_min = 1.01
-        leaves2 = leaves2.propose(context, 3, greedy, None)
+        leaves2 = leaves2.propose(Context(context), 3)
         assert leaves2.tokens == top[:2] and leaves2.tree.choices == ((0,), (1,))  # a leaf for the chain's end
         # sampling: the guess is drawn from q and the runner-ups from what is left of it, each with the row it was
         # drawn from (walk's recursive rejection sampling needs them)
-        sampled = drafter.propose(context, 3, SamplingParams(0.8), np.random.default_rng(0))
+        sampler = DraftModelProposer(d, d.n_vocab, SamplingParams(0.8), np.random.default_rng(0), tree_leaves=3)
+        sampler.reach_min = 1.01
+        sampled = sampler.propose(Context(context), 3)
         q0 = probabilities(d.sync(context)[-1, : d.n_vocab], SamplingParams(0.8))
         assert sampled.tree.choices == ((0,), (1,), (2,)) and len(set(sampled.tokens)) == 3
         assert np.allclose(sampled.q[0], q0) and sampled.q[1][sampled.tokens[0]] == 0
@@ -495,7 +564,7 @@ def test_greedy_draft_trees_follow_the_draft_while_it_is_confident(tiny_draft) -
         (top0, p0), (top1, p1) = ranked(context), ranked(context + chain.tokens[:1])
         assert p0[0] * p1[0] < p0[0]
         drafter.reach_min = p0[0] * (1 + p1[0]) / 2
-        got = drafter.propose(context, 3, greedy, None)
+        got = drafter.propose(Context(context), 3)
         runner_up = (1,) if p0[1] > p0[0] * p1[1] else (0, 1)
         assert got.tree.choices == ((0,), (0, 0), runner_up)  # the chain first: kept, it needs no cache repair
         want = {(0,): top0[0], (0, 0): top1[0], (1,): top0[1], (0, 1): top1[1]}

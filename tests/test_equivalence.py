@@ -8,7 +8,7 @@ from scipy.stats import chisquare
 
 from conftest import FixedCosts, open_decoder
 from ggufspec.costs import CostModel
-from ggufspec.drafters import ModelDrafter
+from ggufspec.proposers.draft_model import DraftModelProposer
 from ggufspec.decoder import LlamaCppDecoder
 from ggufspec.engine import GenerationSettings, SpeculativeEngine
 from ggufspec.sampling import SamplingParams, probabilities
@@ -141,7 +141,7 @@ def test_copy_guesses_priced_apart(smollm2_path) -> None:
 
 def test_greedy_auto_draft_trees(tiny_target, tiny_draft, monkeypatch) -> None:
     """`auto`'s draft trees commit the target's own greedy text (an f32 pair: only near-ties may differ)."""
-    monkeypatch.setattr(ModelDrafter, "reach_min", 0.9)  # a tree wherever the draft is not near-certain
+    monkeypatch.setattr(DraftModelProposer, "reach_min", 0.9)  # a tree wherever the draft is not near-certain
     trees: list[int] = []
     tree_logits = LlamaCppDecoder.tree_logits
     monkeypatch.setattr(LlamaCppDecoder, "tree_logits",

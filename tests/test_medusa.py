@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import subprocess
@@ -23,11 +22,14 @@ from ggufspec.decoder import DecoderOptions
 from ggufspec.engine import GenerationSettings, SpeculativeEngine
 from ggufspec.errors import GGUFSpecError, ModelFileError
 from ggufspec.medusa.fit import fit_tree, tree_accepted
-from ggufspec.medusa.heads import Heads, medusa_decoder_options
+from ggufspec.medusa.heads import Heads, load_medusa_gguf, medusa_decoder_options
 from ggufspec.medusa.train import save_checkpoint
 from ggufspec.costs import CostModel
-from ggufspec.drafters import AutoDrafter
-from ggufspec.methods.medusa import TreeSizer, medusa, walk_typical
+from ggufspec.loop import generate_steps
+from ggufspec.policy import SizedTree, TreeSizer, WholeTree
+from ggufspec.policy.auto import AutoPolicy
+from ggufspec.proposers.medusa import MedusaProposer
+from ggufspec.verifier import Verifier, walk_typical
 from ggufspec.sampling import SamplingParams, pick, probabilities
 from ggufspec.trees import TREES, TreeError, build_tree, load_tree, walk
 
@@ -35,7 +37,6 @@ H = TINY.n_embd
 V = 49152
 
 
-medusa_module = importlib.import_module("ggufspec.methods.medusa")  # the package re-exports the function
 
 
 def _random_blocks(rng: np.random.Generator, heads: int, layers: int, hidden: int, scale: float):
@@ -64,10 +65,26 @@ def trained_heads(tiny_target, tmp_path_factory) -> Path:
     res = CliRunner().invoke(main, [
         "medusa", "train", str(tiny_target), str(d / "heads.gguf"), "--prompts", str(d / "prompts.txt"), "--no-chat",
         "--max-new", "24", "--parallel", "3", "--heads", "3", "--epochs", "2", "--batch", "16", "-t", "2",
+        "--checkpoint-dir", str(d / "ckpt"),
     ])
     assert res.exit_code == 0, res.output
     assert "validation top-1 per head" in res.output and "tree: " in res.output
+    assert f"checkpoint in {d / 'ckpt'}" in res.output
+    # the GGUF is written directly: no other checkpoint folder than the one asked for
+    assert sorted(p.name for p in d.iterdir()) == ["ckpt", "heads.gguf", "prompts.txt"]
     return d / "heads.gguf"
+
+
+def test_trained_heads_are_what_converting_their_checkpoint_gives(trained_heads, tmp_path) -> None:
+    """`medusa train` writes its GGUF through format.py, no longer by converting the checkpoint it wrote; the file
+    is the same as that conversion's (f16, the default), all but general.name, and loads with its fitted tree."""
+    from test_convert_medusa import assert_same_gguf
+
+    converted = convert_medusa(trained_heads.parent / "ckpt", tmp_path / "converted.gguf").out
+    assert_same_gguf(trained_heads, converted, ignore=("general.name",))
+    raw = load_medusa_gguf(trained_heads)
+    assert (raw.version, raw.heads, raw.hidden, raw.vocab, raw.base_model) == (2, 3, H, V, "tiny-target.gguf")
+    assert raw.choices and raw.name == "heads"
 
 
 @pytest.fixture(scope="module")
@@ -140,8 +157,8 @@ def test_sizer_cuts_every_generation_not_only_the_first(tiny_target, random_head
             got = engine.generate(prompt, GenerationSettings(max_tokens=20, method="medusa"))
             assert got.stats.drafted == 0 and got.stats.target_passes == 20
     with pytest.raises(ValueError, match="another tree"):
-        next(medusa(None, SimpleNamespace(n_heads=4), build_tree(TREES["mc_sim_15"]), 0, 4, SamplingParams(), None,
-                    sizer=TreeSizer(build_tree(TREES["chain_4"]), linear)))
+        SizedTree(TreeSizer(build_tree(TREES["chain_4"]), linear)).begin(
+            [0], {"medusa": SimpleNamespace(tree=build_tree(TREES["mc_sim_15"]))})
 
 
 def test_idle_heads_probe_at_a_bounded_cost() -> None:
@@ -282,18 +299,14 @@ def test_auto_with_heads_verifies_lookup_guesses_and_sized_trees(smollm2_path, d
     say trees pay, so a fresh engine's first steps verify trees (until real tree batches teach the sizer what they
     cost here); the code repeats its own names, so lookup guesses too."""
     steps = {"lookup": 0, "tree": 0}
-    observe, withdraw = AutoDrafter.observe, AutoDrafter.withdraw
+    observe = AutoPolicy.observe
 
-    def observed(self, drafted: int, kept: int) -> None:
-        steps["lookup"] += drafted > 0
-        observe(self, drafted, kept)
+    def observed(self, plan, draft, verdict, timing) -> None:
+        steps["lookup"] += plan.source == "lookup"
+        steps["tree"] += draft.tree is not None
+        observe(self, plan, draft, verdict, timing)
 
-    def withdrawn(self) -> None:
-        steps["tree"] += 1
-        withdraw(self)
-
-    monkeypatch.setattr(AutoDrafter, "observe", observed)
-    monkeypatch.setattr(AutoDrafter, "withdraw", withdrawn)
+    monkeypatch.setattr(AutoPolicy, "observe", observed)
     # costs where trees and lookup guesses pay, kept so (this CPU's may rightly turn lookup off)
     with _engine(smollm2_path, demo_heads, trees_pay()) as engine:
         assert engine.method_for(GenerationSettings()).name == "auto"
@@ -310,17 +323,25 @@ def test_auto_with_heads_verifies_every_guess_lookup_chose_unless_a_tree_runs(sm
     dropped unverified and unjudged when weighed against the plain step's rate); only a tree that pays more takes
     a guess's place."""
     chosen, probes, verified, withdrawn = [0], [0], [0], [0]
-    propose, verify, withdraw = AutoDrafter.propose, medusa_module.verify_chain, AutoDrafter.withdraw
+    chain, observe, withdraw_ = AutoPolicy._chain, AutoPolicy.observe, AutoPolicy._withdraw
 
-    def proposed(self, *a):
-        guess = propose(self, *a)
-        chosen[0] += bool(guess.tokens)
-        probes[0] += bool(guess.tokens) and self.source._probing
-        return guess
+    def planned(self, *a):
+        plan = chain(self, *a)
+        chosen[0] += plan.source == "lookup"
+        probes[0] += plan.source == "lookup" and self.source._probing
+        return plan
 
-    monkeypatch.setattr(AutoDrafter, "propose", proposed)
-    monkeypatch.setattr(AutoDrafter, "withdraw", lambda self: withdrawn.__setitem__(0, withdrawn[0] + 1) or withdraw(self))
-    monkeypatch.setattr(medusa_module, "verify_chain", lambda *a: verified.__setitem__(0, verified[0] + 1) or verify(*a))
+    def observed(self, plan, *a):
+        verified[0] += plan.source == "lookup"
+        observe(self, plan, *a)
+
+    def withdraw(self):
+        withdrawn[0] += self._proposed is not None  # a guess that loses to a tree
+        withdraw_(self)
+
+    monkeypatch.setattr(AutoPolicy, "_chain", planned)
+    monkeypatch.setattr(AutoPolicy, "observe", observed)
+    monkeypatch.setattr(AutoPolicy, "_withdraw", withdraw)
     # batches where trees of these heads seldom pay and a lookup guess kept 90% of the time would: chance n-gram
     # guesses fail, their record turns lookup off for them, and it probes
     costs = FixedCosts([0.02, 0.035, 0.045, 0.055, 0.065], 0.0, [16, 32, 64], [0.1, 0.2, 0.4])
@@ -336,9 +357,14 @@ def test_sampled_auto_with_heads_follows_the_target(tiny_target, random_heads, m
     the target's tempered top-k distribution. Lookup's guesses are most of the steps judged here; the sizer soon
     finds these random heads' trees do not pay, and sampled trees alone are tested below."""
     ran = {"lookup": 0, "tree": 0}
-    verify, withdraw = medusa_module.verify_chain, AutoDrafter.withdraw
-    monkeypatch.setattr(medusa_module, "verify_chain", lambda *a: ran.__setitem__("lookup", ran["lookup"] + 1) or verify(*a))
-    monkeypatch.setattr(AutoDrafter, "withdraw", lambda self: ran.__setitem__("tree", ran["tree"] + 1) or withdraw(self))
+    observe = AutoPolicy.observe
+
+    def observed(self, plan, draft, verdict, timing) -> None:
+        ran["lookup"] += plan.source == "lookup"
+        ran["tree"] += draft.tree is not None
+        observe(self, plan, draft, verdict, timing)
+
+    monkeypatch.setattr(AutoPolicy, "observe", observed)
     # the sizer learns what the seeds make the heads keep, not this machine's timings: in one CI run trees were priced
     # out after the first (1 tree step in 2000 answers; without timings, 21 here)
     sizer_observe = TreeSizer.observe
@@ -376,11 +402,15 @@ def test_sampled_medusa_draws_what_the_target_draws(tiny_target, random_heads) -
             assert got.tokens == ref.tokens
 
 
-def test_typical_acceptance_runs_within_the_limit(tiny_target, trained_heads) -> None:
-    with _engine(tiny_target, trained_heads) as engine:
+def test_typical_acceptance_runs_within_the_limit(smollm2_path, demo_heads) -> None:
+    """Typical acceptance keeps tree paths (more than one token a pass) and stops at max_tokens exactly, even where
+    a kept path would run past it (the heads trained for SmolLM2: the tiny target's random ones are never kept)."""
+    with _engine(smollm2_path, demo_heads) as engine:
         got = engine.generate(PROMPTS[0], GenerationSettings(
-            max_tokens=25, method="medusa", typical=True, sampling=SamplingParams(temperature=0.7), seed=1))
-    assert 0 < len(got.tokens) <= 25
+            max_tokens=25, method="medusa", medusa_tree="mc_sim_15", typical=True, sampling=SamplingParams(temperature=0.7),
+            seed=1))  # a named tree runs whole: the sizer may rightly find no tree pays on this machine
+    assert len(got.tokens) == 25 or got.stop_reason == "stop", (len(got.tokens), got.stop_reason)
+    assert got.stats.accepted > 0 and got.stats.target_passes < len(got.tokens), got.stats
 
 
 def test_typical_acceptance_keeps_the_deepest_typical_path() -> None:
@@ -414,9 +444,9 @@ def test_kv_after_accepted_paths_equals_linear_decoding(smollm2_path, demo_heads
         assert medusa_decoder_options(DecoderOptions(n_ubatch=16)).micro_batch >= tree.size
         heads = Heads.load(demo_heads, smollm2_path, d.n_embd, d.n_vocab)
         prompt = d.vocab.tokenize(PROMPTS[5])
-        d.feed(prompt[:-1])
         committed: list[int] = []
-        steps = list(medusa(d, heads, tree, prompt[-1], 30, SamplingParams(), np.random.default_rng(0)))
+        verifier = Verifier(d, SamplingParams(), np.random.default_rng(0), hidden=True)
+        steps = list(generate_steps(prompt, verifier, {"medusa": MedusaProposer(heads, tree)}, WholeTree(tree), 30))
         for step in steps:
             committed += step.tokens
         assert max(len(step.tokens) for step in steps) > 1, "no path was accepted: this test needs some"

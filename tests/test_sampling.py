@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from ggufspec.methods.speculative import accept_greedy, accept_sampled
+from ggufspec.verifier import accept_greedy, accept_sampled
 from ggufspec.sampling import SamplingParams, probabilities, sample
 
 ALPHA = 0.001

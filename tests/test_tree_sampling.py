@@ -14,7 +14,8 @@ import pytest
 from scipy.stats import chisquare
 
 from conftest import open_decoder
-from ggufspec.drafters import ModelDrafter
+from ggufspec.proposers import Context
+from ggufspec.proposers.draft_model import DraftModelProposer
 from ggufspec.trees import build_tree, walk
 from ggufspec.sampling import SamplingParams, probabilities, sample
 
@@ -126,6 +127,8 @@ class MemoDecoder:
     """A real llama.cpp decoder whose logits are computed once per history (or tree) and then replayed, so that
     20,000 draws through the real drafter and walk take seconds: the numbers are llama.cpp's."""
 
+    decode_seconds, n_decodes, n_decoded_tokens = 0.0, 0, 0  # the proposer's counters read them: nothing is timed
+
     def __init__(self, decoder) -> None:
         self.d, self.n_vocab, self.history, self._memo = decoder, decoder.n_vocab, [], {}
 
@@ -160,7 +163,8 @@ def test_real_models_first_two_tokens_through_sampled_draft_trees(tiny_target, t
     target, draft = open_decoder(tiny_target, n_seq_max=8), open_decoder(tiny_draft)
     try:
         prompt = target.vocab.tokenize("The weather today is", add_special=True, parse_special=True)
-        drafter = ModelDrafter(MemoDecoder(draft), target.n_vocab, tree_leaves=4)
+        rng = np.random.default_rng(3)
+        drafter = DraftModelProposer(MemoDecoder(draft), target.n_vocab, params, rng, tree_leaves=4)
         drafter.reach_min = 0.9  # chains stop early, so runner-ups fill trees (top-3 draws make confident chains)
         memo = MemoDecoder(target)
         memo.history = prompt[:-1]
@@ -168,11 +172,10 @@ def test_real_models_first_two_tokens_through_sampled_draft_trees(tiny_target, t
         firsts = np.flatnonzero(p1)
         p2 = {int(a): probabilities(target.sync(prompt + [int(a)])[-1], params) for a in firsts}
         expected = {(int(a), int(b)): p1[a] * p2[int(a)][b] for a in firsts for b in np.flatnonzero(p2[int(a)])}
-        rng = np.random.default_rng(3)
         counts: Counter = Counter()
         shapes = Counter()
         for _ in range(N):
-            d = drafter.propose(prompt, 4, params, rng)
+            d = drafter.propose(Context(prompt), 4)
             assert d.tree is not None and d.q is not None  # sampling builds trees now
             shapes[d.tree.size] += 1
             nodes = np.array([prompt[-1], *d.tokens])

@@ -1,57 +1,12 @@
-"""Medusa (Cai et al. 2024): heads on the target's last hidden state propose a token tree, verified in one pass.
-
-Each step decodes the tree [last, candidates...] in one batch: the root is `last`, the token the
-previous step committed, so every position still goes through the target exactly once. The walk
-down the tree is the target's own sampling: pick a token from the root's logits, move to the child
-holding it, pick again, until no child holds the pick; that pick is the next `last`. At temperature 0
-this is the longest path matching the target's argmax, at temperature > 0 it is exact sampling.
-Typical acceptance (opt-in) keeps the deepest path whose tokens are all "typical enough": not exact.
-"""
+"""Medusa's tree sizer: how much of the static tree pays to verify each step, on the measured cost model."""
 
 from __future__ import annotations
-
-import time
-from collections.abc import Iterator
 
 import numpy as np
 
 from ..costs import CostModel
-from ..decoder import Decoder
-from ..drafters import MIN_GAIN, AutoDrafter
-from ..medusa.heads import Heads
-from ..sampling import SamplingParams, pick, probabilities
-from ..trees import Tree, walk
-from . import Step
-from .speculative import verify_chain
-
-TYPICAL_THRESHOLD = 0.09  # Medusa's posterior_threshold (epsilon)
-TYPICAL_ALPHA = 0.3  # Medusa's posterior_alpha: sqrt of the default 0.09 threshold, as in the paper's code
-
-
-def candidates(heads: Heads, tree: Tree, h: np.ndarray, root: int) -> np.ndarray:
-    """Tree node tokens: the root, then per node the token of its rank in its head's top-k."""
-    top = heads.top_k(h, tree.top_k)
-    tokens = np.empty(tree.size, dtype=np.int64)
-    tokens[0] = root
-    for k, best in enumerate(top):
-        nodes = tree.head == k
-        tokens[nodes] = best[tree.rank[nodes]]
-    return tokens
-
-
-def walk_typical(
-    tree: Tree, tokens: np.ndarray, logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
-    threshold: float = TYPICAL_THRESHOLD, alpha: float = TYPICAL_ALPHA,
-) -> tuple[list[int], int]:
-    """Typical acceptance: the deepest path whose every token has p > min(threshold, alpha * exp(-entropy))."""
-    p = probabilities(logits, params)
-    entropy = -(p * np.log(p + 1e-12)).sum(-1)
-    parent = np.maximum(tree.parents, 0)
-    ok = p[parent, tokens] > np.minimum(threshold, alpha * np.exp(-entropy[parent]))
-    ok[0] = True
-    accepted = ~(tree.ancestors & ~ok).any(axis=1)
-    node = int(np.argmax(np.where(accepted, tree.depth, -1)))
-    return tree.path(node), pick(logits[node], params, rng)
+from ..trees import Tree
+from .adaptive import MIN_GAIN
 
 
 class TreeSizer:
@@ -148,7 +103,7 @@ class TreeSizer:
             self._heads_runs += 1
             self._heads_fastest = min(self._heads_fastest, heads_seconds)
             self.heads_seconds = self._average(self.heads_seconds, heads_seconds, self._heads_runs)
-            if n_verified == 1:  # numpy's BLAS threads can slow the decode after the heads (~0.1 s seen here);
+            if n_verified == 1:  # numpy's BLAS threads can slow the decode after the heads (docs/methods.md);
                 # in a tree step that shows in the tree's batch time, and so in tree_factor
                 slower = max(0.0, verify_seconds - self.costs.batch_seconds(1))
                 self._probes += 1
@@ -167,69 +122,3 @@ class TreeSizer:
         """The mean of the first samples, then a running average: one that starts from zero would underrate the
         heads' time for a dozen steps, in which trees that do not pay run and probes come too often."""
         return mean + max(1 - self.TIMING_MEMORY, 1 / n) * (sample - mean)
-
-
-def medusa(
-    target: Decoder, heads: Heads, tree: Tree, last: int, limit: int, params: SamplingParams,
-    rng: np.random.Generator, typical: bool = False, sizer: TreeSizer | None = None,
-    lookup: AutoDrafter | None = None, k_max: int = 0,
-) -> Iterator[Step]:
-    """Yield the tokens each target pass commits, at most `limit` in all; `last` is not yet decoded.
-
-    `target` must return hidden states (embeddings on) and hold n_seq_max > leaves of `tree`. With a `sizer`
-    (built for this `tree`) each step verifies the part of the tree it picks; without, the whole tree.
-    `auto` adds `lookup` (with a sizer): a step verifies its guess of up to k_max tokens instead, where its
-    cost model expects the guess to commit more tokens a second than the sized tree.
-    """
-    if tree.n_heads > heads.n_heads:
-        tree = tree.truncated(heads.n_heads)  # a tree deeper than the head set: its extra levels can't be filled
-    if sizer is not None and sizer.tree.choices != tree.choices:
-        raise ValueError("the tree sizer was built for another tree (or for this one before its cut to the heads' depth)")
-    heads.check_top_k(tree.top_k)  # before any token: a restricted candidate vocabulary may be too small
-    choose = walk_typical if typical and not params.greedy else walk
-    h = None  # the heads' input: the hidden state of the pass that picked `last` (none before the first pass)
-    while limit > 0:
-        all_tokens, heads_seconds, clock = None, 0.0, target.decode_seconds
-        if h is None:
-            nodes = np.zeros(1, dtype=np.int64)
-        elif sizer is None:
-            nodes = np.arange((tree if tree.n_heads < limit else tree.truncated(limit - 1)).size)
-        else:
-            nodes = sizer.plan(max_depth=limit - 1)
-        if lookup is not None:
-            k = max(0, min(k_max - target.n_deferred, limit - 1))  # deferred tokens ride in front: see speculative
-            guess = lookup.propose(target.history + [last], k, params, rng)
-            # against a plain step lookup's own choice stands (a probe's too); against a tree, gains over a plain
-            # step: lookup prices the current context, the sizer the start-up measurement
-            if guess.tokens and (len(nodes) == 1 or lookup.lookup_gain(len(guess.tokens)) > sizer.gain):
-                new = verify_chain(target, last, guess, params, rng)
-                h, last = target.hidden_states()[len(new) - 1], new[-1]
-                lookup.observe(len(guess.tokens), len(new) - 1)
-                yield Step(new, len(guess.tokens))
-                limit -= len(new)
-                continue
-            if len(nodes) > 1:
-                lookup.withdraw()  # lookup times only its own and plain steps
-        if h is not None and (sizer is None or sizer.wants_heads(len(nodes))):
-            t0 = time.perf_counter()
-            all_tokens = candidates(heads, tree, h, last)
-            heads_seconds = time.perf_counter() - t0
-        t = tree.subtree(nodes.tolist())
-        tokens = all_tokens[nodes] if all_tokens is not None else np.array([last])
-        if t.size == 1:  # a plain step needs none of the tree machinery (sequence copies, the walk)
-            logits = target.feed([last])
-            path, last = [0], pick(logits[-1], params, rng)
-            h = target.hidden_states()[-1]
-        else:
-            logits = target.tree_logits(tokens.tolist(), t.parents.tolist())
-            hidden = target.hidden_states()
-            path, last = choose(t, tokens, logits, params, rng)
-            target.commit_tree_path(path)
-            h = hidden[path[-1]]
-        new = [int(tokens[i]) for i in path[1:]] + [last]
-        if sizer is not None:
-            sizer.observe(all_tokens, new, heads_seconds, t.size, target.decode_seconds - clock)
-        if lookup is not None:
-            lookup.observe(0, 0)
-        yield Step(new, int(t.depth.max()) if sizer is not None else t.n_heads)
-        limit -= len(new)

@@ -1,0 +1,49 @@
+"""The generation loop: prefill, then per step a plan, a proposal, one target pass, and what it committed.
+
+Reads like mlx-lm's `speculative_generate_step`; every method is this loop with other proposers and another policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+
+from .policy import Policy, Timing
+from .proposers import NO_DRAFT, Context, Proposer
+from .verifier import Verdict, Verifier
+
+
+def generate_steps(
+    prompt: list[int], verifier: Verifier, proposers: dict[str, Proposer], policy: Policy, limit: int,
+    prefilled: Callable[[], None] = lambda: None,
+) -> Iterator[Verdict]:
+    """Yield what each target pass commits, at most `limit` tokens in all; `prefilled` is called once the prompt is
+    in the caches. The prompt's last token is decoded by the first pass, so every position is decoded once."""
+    context, last = prompt[:-1], prompt[-1]
+    warm = policy.begin(context, proposers)
+    verifier.prefill(context)
+    for name, proposer in proposers.items():
+        proposer.begin(context, name in warm)
+    prefilled()
+    hidden = None  # the target's hidden state at the row that picked `last` (none before the first pass)
+    while limit > 0:
+        state = Context(verifier.history + [last], hidden)
+        plan = policy.plan(state, limit, verifier.deferred)
+        proposer = proposers.get(plan.source) if plan.source else None
+        if proposer is None:
+            draft, timing = NO_DRAFT, None
+        else:
+            before = replace(proposer.counters)
+            draft = proposer.propose(state, plan.k, plan.nodes)
+        verdict = verifier.verify(last, draft)
+        if proposer is None:
+            timing = Timing(verdict.seconds, verdict.batch)
+        else:
+            proposer.accept(verdict.kept)
+            c = proposer.counters
+            timing = Timing(verdict.seconds, verdict.batch, c.seconds - before.seconds, c.decodes - before.decodes,
+                            c.decoded - before.decoded)
+        policy.observe(plan, draft, verdict, timing)
+        yield verdict
+        last, hidden = verdict.tokens[-1], verdict.hidden
+        limit -= len(verdict.tokens)

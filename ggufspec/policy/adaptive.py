@@ -1,0 +1,107 @@
+"""`AdaptiveLength`: one record of how often a source's drafts are kept, and the draft length that pays on it."""
+
+from __future__ import annotations
+
+from ..costs import CostModel
+from . import Timing
+
+PROBE_EVERY = 16  # plain steps before the first probe while speculation is off; doubled after each failed one
+PROBE_EVERY_MAX = 128
+OPTIMISTIC = 0.9  # probes are made only if drafts kept this often would beat plain decoding
+# by this factor: a probe costs a bigger batch and the draft catching up on every token since its last
+# use, so a probe that can gain only a little loses (docs/methods.md, "Where the constants come from")
+PROBE_GAIN = 1.2
+MIN_GAIN = 1.05  # drafting only when expected to beat plain decoding by this factor
+COPY_PRIOR = 0.9  # what a guess that continues a copy (lookup.LONG_MATCH) is expected to keep, before any evidence
+# A guess whose context matches earlier text for at least this many tokens is priced apart from shorter matches:
+# it is kept more often than one after a 2- or 3-token chance match, and waiting for a LONG_MATCH would spend
+# plain steps at the start of every copy (docs/methods.md, "Where the constants come from")
+PHRASE_MATCH = 4
+
+
+class AdaptiveLength:
+    """Pick k each step to maximise expected tokens per second, drafting only for a gain of at least
+    MIN_GAIN; k = 0 turns speculation off.
+
+    Acceptance is a running average per draft position (a draft that got its first token right
+    tends to get the next one right too), carried from one generation to the next but pulled
+    halfway back to the prior at each start, so every prompt gets a fair try. While off, a probe
+    at the best non-zero length keeps the estimates alive: after PROBE_EVERY plain steps, twice
+    as long after each probe that did not pay for itself. A probe costs a bigger batch and a draft
+    catching up, so none is made when even good drafts would gain little (on CPUs where a batch of
+    4 costs ~2.6 decodes, as on the AVX2-only machines here, the best case is a few percent).
+    """
+
+    def __init__(self, costs: CostModel, k_max: int, prior: float = 0.7, memory: float = 0.95,
+                 free: bool = False, longer: tuple[int, ...] = ()) -> None:
+        self.costs, self.k_max, self.memory, self.prior, self.free = costs, k_max, memory, prior, free
+        self.longer = longer  # lengths past k_max that may be drafted too (lookup's long guesses)...
+        self._all_kept = False  # ...only right after a guess kept whole: one long miss, then short ones again
+        # per position up to k_max; with `longer`, one more entry: every position from k_max-1 on (a guess
+        # that has held that far in copied text tends to hold on)
+        self.acceptance = [prior] * (k_max + bool(longer))
+        self._off_steps, self.probe_every, self._probing = 0, PROBE_EVERY, False
+
+    def restart(self) -> AdaptiveLength:
+        """Ready for the next generation: keep what was learned, acceptance halfway back to the prior."""
+        self.acceptance = [(a + self.prior) / 2 for a in self.acceptance]
+        return self
+
+    def planned(self) -> int:
+        """The length choose() would pick now, probes aside; no side effects."""
+        k = self.costs.best_k(self.acceptance, self.k_max, free=self.free, longer=self._longer())
+        rate = self.costs.expected_rate
+        if k and rate(k, self.acceptance, self.free) < MIN_GAIN * rate(0, 0):
+            k = 0  # at break-even the estimate's noise decides, and a wrong guess costs more than it earns
+        return k
+
+    def _longer(self) -> tuple[int, ...]:
+        return self.longer if self._all_kept else ()
+
+    def choose(self) -> int:
+        k = self.planned()
+        self._probing = False
+        if k == 0:
+            self._off_steps += 1
+            if self._off_steps >= self.probe_every and self._worth_probing():
+                self._off_steps, self._probing = 0, True
+                return self.costs.best_k(self.acceptance, self.k_max, k_min=1, free=self.free, longer=self._longer())
+        return k
+
+    def _worth_probing(self) -> bool:
+        k = self.costs.best_k(OPTIMISTIC, self.k_max, free=self.free)
+        rate = self.costs.expected_rate
+        return k > 0 and rate(k, OPTIMISTIC, self.free) >= PROBE_GAIN * rate(0, 0)
+
+    def learn(self, drafted: int, accepted: int) -> None:
+        """Acceptance only: of `drafted` guessed tokens, the first `accepted` were (or would have been) kept."""
+        # tokens after the first rejection were never judged: they say nothing about acceptance
+        a, m, judged = self.acceptance, self.memory, min(drafted, accepted + 1)
+        for i in range(min(judged, self.k_max)):
+            a[i] = m * a[i] + (1 - m) * (i < accepted)
+        # the deep positions share one entry, observed by each judged position after the first: the chance that a
+        # copy holds for one more token (as one observation a step, a short miss weighed like a long run kept whole,
+        # and guesses stayed at 15 tokens in copies of 100+).
+        # From the second position, since where a batch of k_max + 1 costs a jump more than one of k_max, copy
+        # guesses stay shorter than k_max and must still be able to price long guesses in.
+        for i in range(1, judged) if self.longer else ():
+            a[-1] = m * a[-1] + (1 - m) * (i < accepted)
+
+    def update(self, drafted: int, accepted: int, timing: Timing | None = None) -> None:
+        """After a step this record chose: acceptance, and with `timing`, what the step cost (the cost model learns it).
+        A free source's own time (lookup's search) is not charged."""
+        self.learn(drafted, accepted)
+        if drafted:
+            self._all_kept = accepted == drafted
+        c = self.costs
+        spent = c.step_seconds(drafted, self.free)
+        if timing is not None:
+            t = timing
+            draft_s, decodes, tokens = (0.0, 0, 0) if self.free else (t.propose_seconds, t.draft_decodes, t.draft_tokens)
+            spent = t.verify_seconds + draft_s  # what the step really cost, the draft's catching up included
+            # a draft catching up on many tokens in one batch says little about one draft step
+            steps = decodes if tokens <= decodes + 1 else 0
+            c.observe(t.verify_tokens or drafted + 1, t.verify_seconds, steps, draft_s)
+        if self._probing:  # back off unless the probe itself beat plain steps
+            paid = (accepted + 1) * c.verify[0] >= spent
+            self.probe_every = PROBE_EVERY if paid else min(2 * self.probe_every, PROBE_EVERY_MAX)

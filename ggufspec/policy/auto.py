@@ -1,0 +1,173 @@
+"""`auto`'s policy: lookup where the text repeats itself, else the draft model or Medusa's sized tree, else plain
+steps, each chosen where the measured cost model expects it to commit the most tokens a second."""
+
+from __future__ import annotations
+
+from ..costs import ContextCosts, CostModel
+from ..decoder import common_prefix
+from ..proposers import Context, Draft, Proposer
+from ..proposers.lookup import LONG_MATCH
+from ..verifier import Verdict
+from . import PLAIN, Plan, Timing, check_tree, observe_tree
+from .adaptive import COPY_PRIOR, PHRASE_MATCH, AdaptiveLength
+from .tree_sizer import TreeSizer
+
+
+class AutoPolicy:
+    """Lookup's guess when verifying it pays (priced by how far back its match reaches: a chance n-gram, a phrase said
+    again or a copy starting, a copy), else the draft model when drafting pays, else (with Medusa heads instead of a
+    draft model) the sizer's tree when it pays, else a plain step.
+
+    Each source keeps its own acceptance record, and lookup's guesses cost no draft decodes, so lookup can pay on a
+    machine where the draft model cannot. Kept across generations: what it learned carries over (see restart).
+    """
+
+    def __init__(self, costs: CostModel, k_max: int, model: bool, sizer: TreeSizer | None = None) -> None:
+        self.k_max, self.sizer = k_max, sizer
+        self.context_costs = ContextCosts(costs)
+        # each kind of lookup match keeps its own record (one record for all kept lookup off on summaries where
+        # llama.cpp's ngram-mod verified nearly every copied token: docs/benchmarks-2026-11-25-zen4.md)
+        # chance n-gram matches, under PHRASE_MATCH tokens
+        self.lookup_length = AdaptiveLength(costs, k_max, free=True)
+        # matches of PHRASE_MATCH up to LONG_MATCH tokens: a phrase said again, or the first tokens of a copy
+        self.phrase_length = AdaptiveLength(costs, k_max, free=True)
+        # the answer copies earlier text (LONG_MATCH tokens or more): the only kind whose guesses may run past k_max
+        self.copy_length = AdaptiveLength(costs, k_max, prior=COPY_PRIOR, free=True, longer=costs.k_long)
+        self.model_length = AdaptiveLength(costs, k_max) if model else None
+        self.source: AdaptiveLength | None = None  # the record whose choice the target is judging
+        self._unverified: list[tuple[AdaptiveLength, int, list[int]]] = []  # lookup guesses not verified: see plan
+        self._proposed: tuple[AdaptiveLength, int, list[int]] | None = None  # the lookup guess just planned
+        self._records = tuple(r for r in (self.lookup_length, self.phrase_length, self.copy_length, self.model_length)
+                              if r is not None)
+        self.lookup = self.model = None  # this generation's proposers, consulted while planning
+
+    @property
+    def k_cap(self) -> int:
+        """The most tokens a step may draft: long guesses that continue a copy, where measured, else k_max."""
+        return max((self.k_max, *self.copy_length.longer))
+
+    @property
+    def costs(self) -> CostModel:
+        """The cost model measured at start-up (short context)."""
+        return self.context_costs.base
+
+    def price_at(self, n_ctx: int) -> None:
+        """Price the next steps at the costs learned for a context of n_ctx tokens."""
+        for length in self._records:
+            length.costs = self.context_costs.at(n_ctx)
+
+    def begin(self, prompt: list[int], proposers: dict[str, Proposer]) -> set[str]:
+        """Every record's acceptance halfway back to its prior; the draft model decodes the prompt only where it is
+        expected to draft (often never on CPUs)."""
+        self.lookup, self.model = proposers["lookup"], proposers.get("draft")
+        if self.sizer is not None:
+            check_tree(self.sizer, proposers)
+        for length in self._records:
+            length.restart()
+        self._unverified.clear()
+        self.source = self._proposed = None
+        return {"draft"} if self.model is not None and self.uses_model(len(prompt) + 1) else set()
+
+    def uses_model(self, n_ctx: int | None = None) -> bool:
+        """Whether the draft model drafts at this point, or after n_ctx tokens of context (probes aside)."""
+        if n_ctx is not None:
+            self.price_at(n_ctx)
+        return self.model_length is not None and self.model_length.planned() > 0
+
+    def plan(self, context: Context, room: int, deferred: int) -> Plan:
+        nodes = None
+        if self.sizer is not None and context.hidden is not None:
+            nodes = self.sizer.plan(max_depth=room - 1)
+        # deferred tokens ride in front of the batch: it stays within the measured sizes
+        plan = self._chain(context.tokens, max(0, min(self.k_cap - deferred, room - 1)), deferred)
+        if self.sizer is None:
+            return plan
+        # against a plain step lookup's own choice stands (a probe's too); against a tree, gains over a plain step:
+        # lookup prices the current context, the sizer the start-up measurement
+        if plan.k and (nodes is None or len(nodes) == 1 or self._lookup_gain(plan.k) > self.sizer.gain):
+            return plan
+        if nodes is not None and len(nodes) > 1:
+            self._withdraw()  # lookup times only its own and plain steps
+        if nodes is not None and self.sizer.wants_heads(len(nodes)):
+            return Plan("medusa", nodes=nodes)
+        return PLAIN
+
+    def _chain(self, context: list[int], k: int, deferred: int) -> Plan:
+        """Lookup's guess, the draft model's chain (or tree), or nothing; `source` is the record that chose."""
+        self.source = self._proposed = None
+        if k <= 0:
+            return PLAIN
+        self.price_at(len(context))
+        self._judge_unverified(context)
+        guess = self.lookup.find(context, k)
+        match = self.lookup.match
+        self.source = (self.copy_length if match >= LONG_MATCH else
+                       self.phrase_length if match >= PHRASE_MATCH else self.lookup_length)
+        n = min(self.source.choose(), len(guess))
+        judged_later = self.source, len(context), guess[: self.k_max]
+        if n and not self._model_beats_lookup(n, self.source):
+            self._proposed = judged_later
+            return Plan("lookup", n)
+        if guess:
+            self._unverified.append(judged_later)
+        if self.model_length is not None and self._catch_up_pays(context):
+            self.source = self.model_length
+            n = min(self.model_length.choose(), k, self.k_max - deferred)
+            if n:
+                return Plan("draft", n)
+        return PLAIN
+
+    def observe(self, plan: Plan, draft: Draft, verdict: Verdict, timing: Timing | None) -> None:
+        drafted = kept = 0
+        if plan.source in ("lookup", "draft"):
+            drafted, kept = len(draft.tokens), verdict.kept
+        elif self.sizer is not None:
+            observe_tree(self.sizer, draft, verdict, timing)
+        if self.source is not None:  # the record that chose: it also times plain steps
+            self.source.update(drafted, kept, timing)
+
+    def _withdraw(self) -> None:
+        """The lookup guess just planned is not verified (the tree runs instead): the step teaches its record
+        nothing, and the guess is judged as one left unverified."""
+        if self._proposed is not None:
+            self._unverified.append(self._proposed)
+        self.source = self._proposed = None
+
+    def _lookup_gain(self, n: int) -> float:
+        """Expected tokens per second of verifying the n-token lookup guess just planned, on the record of its
+        kind, over a plain step's, both at the current context's costs."""
+        costs = self.source.costs
+        return costs.expected_rate(n, self.source.acceptance, free=True) / costs.expected_rate(0, 0)
+
+    def _judge_unverified(self, context: list[int]) -> None:
+        """A guess left unverified still teaches its record, once the target has committed the tokens it guessed
+        (up to the first miss): the target's own pick, a draw when sampling, equals a guessed token exactly as often
+        as verifying would keep it. So a record that is off learns without probes whether it would pay: a copy is
+        entered a few tokens in, and phrases said again where the answer does not copy stay unverified."""
+        pending = []
+        for record, at, tokens in self._unverified:
+            seen = context[at : at + len(tokens)]
+            kept = common_prefix(seen, tokens)
+            if kept < len(seen) or len(seen) == len(tokens):
+                record.learn(len(tokens), kept)
+            else:
+                pending.append((record, at, tokens))
+        self._unverified = pending
+
+    def _catch_up_pays(self, context: list[int]) -> bool:
+        """The draft model is not started where catching up on the context it has not seen would cost more than the
+        plain steps between two probes (charged at a draft step a token, an upper bound): after a long prompt it
+        was not prefilled for, a catch-up costs more than those steps can win back (docs/methods.md)."""
+        m = self.model_length
+        return self.model.unseen(context) * m.costs.draft <= m.probe_every * m.costs.verify[0]
+
+    def _model_beats_lookup(self, n: int, length: AdaptiveLength) -> bool:
+        """While the draft model drafts, lookup is not free: the draft must still decode every token a lookup
+        step commits before it drafts again. Charged here at a draft step per token (a catch-up batch costs
+        a little less), lookup's guess is verified only if it still beats the model's own proposal."""
+        if not self.uses_model():
+            return False
+        costs, model = self.costs, self.model_length
+        tokens = costs.expected_tokens(n, length.acceptance)  # its last entry: all deeper positions
+        lookup_rate = tokens / (costs.step_seconds(n, free=True) + tokens * costs.draft)
+        return costs.expected_rate(model.planned(), model.acceptance) > lookup_rate

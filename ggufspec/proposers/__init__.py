@@ -1,0 +1,131 @@
+"""Proposers: where draft tokens come from. Each only proposes; the verifier judges, the policy decides.
+
+A proposer follows llama.cpp's `common_speculative` sources: `begin` when a generation starts, `propose` up to
+k tokens after a context, `accept` how many of them the target kept, with its own counters. Adding one is a file
+here and a row in `PROPOSERS`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from ..sampling import SamplingParams
+from ..trees import Tree
+
+if TYPE_CHECKING:
+    from ..decoder import Decoder
+    from ..medusa.heads import Heads
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a proposer may read: the tokens so far, the last not yet decoded by the target, and the target's
+    hidden state at the position that picked that last token (None before the first verification)."""
+
+    tokens: list[int]  # (n,) prompt and committed tokens
+    hidden: np.ndarray | None = None  # (H,) float32
+
+
+@dataclass(frozen=True)
+class Draft:
+    """Proposed tokens after the context's last token (the root): a chain, or the nodes of a tree.
+
+    q: when sampling, the distribution each token was drawn from (None: point-mass guesses, which the verifier
+    judges as one-hot rows; exact either way). candidates: every node token of a proposer's whole static tree,
+    root first, when it computed them (Medusa), so a policy learns about nodes that were not verified.
+    """
+
+    tokens: list[int]  # (n,)
+    tree: Tree | None = None  # None: a chain, parents [-1, 0, 1, ...] over [root, *tokens]
+    q: np.ndarray | None = None  # (n, V_draft) float
+    source: str = ""
+    candidates: np.ndarray | None = None  # (tree size,) int64
+
+    @property
+    def depth(self) -> int:
+        """Draft positions the target judges along one path: a chain's length, a tree's depth."""
+        return len(self.tokens) if self.tree is None else int(self.tree.depth.max())
+
+
+NO_DRAFT = Draft([])
+
+
+@dataclass
+class Counters:
+    """A proposer's own record, as llama.cpp's sources keep theirs."""
+
+    drafts: int = 0  # proposals with at least one token
+    drafted: int = 0  # tokens proposed
+    accepted: int = 0  # of those, kept by the target
+    seconds: float = 0.0  # spent proposing (a draft model's decodes included)
+    decodes: int = 0  # a draft model's batches...
+    decoded: int = 0  # ...and the tokens in them (a catch-up on unseen context is one batch of many)
+
+
+class Proposer(Protocol):
+    name: str
+    counters: Counters
+
+    def begin(self, prompt: list[int], warm: bool) -> None:
+        """A generation starts after `prompt` (its last token not yet decoded); warm: decode it now where proposing
+        will need it (a draft model's cache), else on first use."""
+
+    def propose(self, context: Context, k: int, plan_nodes: np.ndarray | None = None) -> Draft:
+        """Up to k tokens after the context (none when k is 0); a tree proposer proposes the nodes of its static
+        tree given by plan_nodes (root first)."""
+
+    def accept(self, n_kept: int) -> None:
+        """The target kept the first n_kept tokens of the last proposal."""
+
+
+@dataclass
+class Setup:
+    """What a proposer is built from."""
+
+    target: Decoder
+    params: SamplingParams
+    rng: np.random.Generator
+    draft: Decoder | None = None
+    draft_p_min: float = 0.0
+    tree_leaves: int = 0  # draft trees of up to this many leaves (the target holds one sequence more); <= 1: chains
+    heads: Heads | None = None
+    tree: Tree | None = None  # Medusa's static tree, cut to the heads' depth
+
+
+@dataclass(frozen=True)
+class Source:
+    """A row of PROPOSERS: how the proposer is built, and the model it needs loaded (None: nothing)."""
+
+    build: Callable[[Setup], Proposer]
+    needs: str | None = None  # "draft" or "heads"
+    help: str = field(default="")
+
+
+def _lookup(s: Setup) -> Proposer:
+    return LookupProposer(s.target.n_vocab)
+
+
+def _draft_model(s: Setup) -> Proposer:
+    assert s.draft is not None
+    return DraftModelProposer(s.draft, s.target.n_vocab, s.params, s.rng, s.draft_p_min, s.tree_leaves)
+
+
+def _medusa(s: Setup) -> Proposer:
+    assert s.heads is not None and s.tree is not None
+    return MedusaProposer(s.heads, s.tree)
+
+
+# at the end: the proposer modules import Draft and Counters from here
+from .draft_model import DraftModelProposer  # noqa: E402
+from .lookup import LookupProposer  # noqa: E402
+from .medusa import MedusaProposer  # noqa: E402
+
+PROPOSERS: dict[str, Source] = {
+    "lookup": Source(_lookup, help="n-grams of the text so far"),
+    "draft": Source(_draft_model, "draft", "a draft model's chains or trees"),
+    "medusa": Source(_medusa, "heads", "Medusa heads on the target's hidden state, a token tree"),
+}

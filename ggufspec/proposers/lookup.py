@@ -1,0 +1,68 @@
+"""Prompt lookup: continue the latest earlier occurrence of the context's last n-gram."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from . import NO_DRAFT, Context, Counters, Draft
+
+# How far back a match is measured: a guess whose context repeats earlier text this long is a copy, not a chance
+# n-gram (the policy prices the two apart, and lets only copies run past the draft length)
+LONG_MATCH = 16
+
+
+class LookupProposer:
+    """Guesses from the text itself: point-mass proposals, no model, no cost but the search."""
+
+    name = "lookup"
+
+    def __init__(self, n_vocab: int, ngram_max: int = 4, ngram_min: int = 2) -> None:
+        self.n_vocab, self.ngram_max, self.ngram_min = n_vocab, ngram_max, ngram_min
+        self.match = 0  # how many tokens before the guess the last find() matched (up to LONG_MATCH)
+        self.counters = Counters()
+
+    def find(self, context: list[int], k: int) -> list[int]:
+        """Up to k tokens continuing the longest (then latest) earlier match of the context's tail; sets `match`.
+        A prefix of a longer guess is the shorter guess: find(c, n) == find(c, k)[:n] for n <= k."""
+        ctx = np.asarray(context)
+        self.match = 0
+        # where an earlier occurrence of the last token ends an n-gram equal to the tail (one pass over the
+        # context, then only those places: searched every step, so cheap against a target's decode)
+        ends = np.flatnonzero(ctx[:-1] == ctx[-1])
+        for n in range(min(self.ngram_max, len(ctx) - 1), self.ngram_min - 1, -1):
+            hits = ends[ends >= n - 1]
+            for j in range(1, n):
+                hits = hits[ctx[hits - j] == ctx[-1 - j]]
+            if len(hits):
+                # how far back each earlier occurrence matches the tail (up to LONG_MATCH): the longest wins, the
+                # latest among equals (text that repeats a phrase often has a later, shorter chance match)
+                back = np.arange(LONG_MATCH)
+                before = hits[:, None] - back
+                same = (before >= 0) & (ctx[np.maximum(before, 0)] == ctx[np.maximum(len(ctx) - 1 - back, 0)])
+                lengths = np.where(same.all(axis=1), LONG_MATCH, same.argmin(axis=1))
+                at = len(hits) - 1 - int(np.argmax(lengths[::-1]))
+                start, self.match = int(hits[at]) + 1, int(lengths[at])
+                # a match that runs into the tail is text repeating with this period: the guess goes on repeating
+                # it, as a lookup fed its own guess would (a loop shorter than k would otherwise cap the guess)
+                period = len(ctx) - start
+                return ctx[start + np.arange(k) % period].tolist()
+        return []
+
+    def begin(self, prompt: list[int], warm: bool) -> None:
+        pass
+
+    def propose(self, context: Context, k: int, plan_nodes: np.ndarray | None = None) -> Draft:
+        if k <= 0:
+            return NO_DRAFT
+        t0 = time.perf_counter()
+        tokens = self.find(context.tokens, k)
+        c = self.counters
+        c.seconds += time.perf_counter() - t0
+        c.drafts += bool(tokens)
+        c.drafted += len(tokens)
+        return Draft(tokens, source=self.name)
+
+    def accept(self, n_kept: int) -> None:
+        self.counters.accepted += n_kept

@@ -1,0 +1,155 @@
+"""The verifier: the one place that runs the target on a proposal and applies the acceptance rule.
+
+A proposal after `last` (the previous pass's pick, not yet decoded) is one target pass: a chain
+[last, *tokens] or a tree rooted at last. Greedy, the target keeps what its own argmax would have
+produced; sampling, rejection sampling keeps a prefix (a chain: Leviathan et al. 2023, Chen et al.
+2023) or a path (a tree: recursive rejection over each node's children, `trees.walk`) distributed
+exactly as the target's own sampling. Medusa's typical acceptance (opt-in) is the one rule that is not exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .decoder import Decoder
+from .proposers import Draft
+from .sampling import SamplingParams, pick, probabilities, sample
+from .trees import Tree, walk
+
+TYPICAL_THRESHOLD = 0.09  # Medusa's posterior_threshold (epsilon)
+TYPICAL_ALPHA = 0.3  # Medusa's posterior_alpha: sqrt of the default 0.09 threshold, as in the paper's code
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What one target pass committed."""
+
+    tokens: list[int]  # the kept draft tokens, then the target's own pick (the next `last`, not yet decoded)
+    drafted: int  # draft positions judged along one path (Draft.depth)
+    seconds: float  # the target's decode time for this pass
+    batch: int  # tokens the target decoded: the draft, its root, and deferred tokens riding in front
+    deferred: int  # committed tokens left out of the KV cache: the next pass decodes them in front of its batch
+    hidden: np.ndarray | None = None  # (H,) with hidden states on: the target's state at the row that picked tokens[-1]
+
+    @property
+    def kept(self) -> int:
+        return len(self.tokens) - 1
+
+
+def accept_greedy(target_logits: np.ndarray, drafts: list[int]) -> list[int]:
+    """Drafts up to the first that differs from the target's argmax, then the target's own token."""
+    best = target_logits.argmax(axis=-1)
+    n = 0
+    while n < len(drafts) and drafts[n] == best[n]:
+        n += 1
+    return drafts[:n] + [int(best[n])]
+
+
+def accept_sampled(p: np.ndarray, q: np.ndarray, drafts: list[int], rng: np.random.Generator) -> list[int]:
+    """Rejection sampling: p is (k+1, V) from the target, q is (k, V) from the drafter.
+
+    Draft token i survives with probability min(1, p_i/q_i); the first rejected position
+    is resampled from norm(max(0, p - q)); if all survive, a bonus token comes from p[k].
+    The result is distributed exactly as sampling from p token by token.
+    """
+    k = len(drafts)
+    rows = np.arange(k)
+    px, qx = p[rows, drafts], q[rows, drafts]
+    kept = rng.random(k) * qx <= px
+    n = k if kept.all() else int(np.argmin(kept))
+    dist = np.maximum(p[n] - q[n], 0.0) if n < k else p[k]
+    return drafts[:n] + [sample(dist, rng)]
+
+
+def walk_typical(
+    tree: Tree, tokens: np.ndarray, logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
+    threshold: float = TYPICAL_THRESHOLD, alpha: float = TYPICAL_ALPHA,
+) -> tuple[list[int], int]:
+    """Typical acceptance: the deepest path whose every token has p > min(threshold, alpha * exp(-entropy))."""
+    p = probabilities(logits, params)
+    entropy = -(p * np.log(p + 1e-12)).sum(-1)
+    parent = np.maximum(tree.parents, 0)
+    ok = p[parent, tokens] > np.minimum(threshold, alpha * np.exp(-entropy[parent]))
+    ok[0] = True
+    accepted = ~(tree.ancestors & ~ok).any(axis=1)
+    node = int(np.argmax(np.where(accepted, tree.depth, -1)))
+    return tree.path(node), pick(logits[node], params, rng)
+
+
+def point_mass(tokens: list[int], n_vocab: int) -> np.ndarray:
+    """One-hot rows: the q of guesses made without sampling (lookup's, or greedy drafts verified while sampling)."""
+    q = np.zeros((len(tokens), n_vocab))
+    q[np.arange(len(tokens)), tokens] = 1.0
+    return q
+
+
+def pad_vocab(q: np.ndarray, n_vocab: int) -> np.ndarray:
+    """Draft distributions over the target's vocabulary (the target's padding rows get q = 0)."""
+    if q.shape[-1] == n_vocab:
+        return q
+    return np.pad(q, [(0, 0), (0, n_vocab - q.shape[-1])])
+
+
+class Verifier:
+    """Runs the target: a prefill, then one pass per proposal. `hidden`: return the target's hidden state with each
+    verdict (Medusa's heads read it; the target must have embeddings on). `typical`: Medusa's typical acceptance
+    for trees when sampling (NOT exact; opt-in)."""
+
+    def __init__(self, target: Decoder, params: SamplingParams, rng: np.random.Generator,
+                 hidden: bool = False, typical: bool = False) -> None:
+        self.target, self.params, self.rng, self.hidden = target, params, rng, hidden
+        self.typical = typical and not params.greedy
+        self.deferred = 0  # see Verdict.deferred
+
+    @property
+    def history(self) -> list[int]:
+        """The tokens the target has committed (a context shift drops older ones), deferred ones included."""
+        return self.target.history
+
+    def prefill(self, context: list[int]) -> None:
+        """Decode `context` into the target's cache, reusing its common prefix (an empty one empties it)."""
+        t = self.target
+        if context:
+            t.sync(context)
+        else:
+            t.rollback_to(0)
+        self.deferred = 0
+
+    def verify(self, last: int, draft: Draft) -> Verdict:
+        """One target pass over `last` and the draft: the tokens the target commits."""
+        t = self.target
+        seconds, decoded = t.decode_seconds, t.n_decoded_tokens
+        if draft.tree is None:
+            tokens = self._chain(last, draft)
+            row = len(tokens) - 1  # the cache keeps all but the last committed token; the last's row
+            self.deferred = 0  # a chain decodes the deferred tokens in front of it
+        else:
+            nodes = np.array([last, *draft.tokens])
+            logits = t.tree_logits(nodes, draft.tree.parents)
+            q = None if draft.q is None else [None, *pad_vocab(draft.q, logits.shape[-1])]
+            if self.typical:
+                path, nxt = walk_typical(draft.tree, nodes, logits, self.params, self.rng)
+            else:  # greedy: the target's own picks node by node; sampling: recursive rejection
+                path, nxt = walk(draft.tree, nodes, logits, self.params, self.rng, q)
+            tokens, row = [int(x) for x in nodes[path[1:]]] + [nxt], path[-1]
+        hidden = t.hidden_states()[row] if self.hidden else None
+        if draft.tree is not None:
+            self.deferred = t.commit_tree_path(path)
+        return Verdict(tokens, draft.depth, t.decode_seconds - seconds, t.n_decoded_tokens - decoded, self.deferred,
+                       hidden)
+
+    def _chain(self, last: int, draft: Draft) -> list[int]:
+        t, params, drafts = self.target, self.params, draft.tokens
+        logits = t.feed([last, *drafts], view=True)
+        if not drafts:
+            new = [pick(logits[-1], params, self.rng)]
+        elif params.greedy:
+            new = accept_greedy(logits, drafts)
+        else:
+            p = probabilities(logits, params)
+            q = point_mass(drafts, p.shape[-1]) if draft.q is None else pad_vocab(draft.q, p.shape[-1])
+            new = accept_sampled(p, q, drafts, self.rng)
+        t.rollback_to(len(t.history) - len(drafts) + len(new) - 1)
+        return new
