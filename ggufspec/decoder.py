@@ -1,4 +1,5 @@
-"""`Decoder`: what the methods need from a model, and `LlamaCppDecoder`, one llama.cpp context.
+"""`Decoder`: what the verifier and proposers need from a model, and `LlamaCppDecoder`, one llama.cpp context over
+a `LlamaModel` (model.py: weights, vocabulary, metadata).
 
 A decoder holds a token history whose KV entries live in the context. Feeding tokens appends
 them; rolling back removes KV entries. Every position is decoded once unless rolled back.
@@ -6,9 +7,7 @@ them; rolling back removes KV entries. Every position is decoded once unless rol
 
 from __future__ import annotations
 
-import ctypes
 import os
-import re
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -19,12 +18,12 @@ import llama_cpp
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from . import cpu_backend, kv_cache, llama_log
-from .errors import ContextLengthError, GGUFSpecError, ModelFileError
+from . import kv_cache, llama_log
+from .errors import ContextLengthError, GGUFSpecError
 from .gguf_check import read_header
 from .llama_batch import Batch
 from .memory import check_memory
-from .vocab import Vocab
+from .model import LlamaModel
 
 
 class Decoder(Protocol):
@@ -33,7 +32,10 @@ class Decoder(Protocol):
     history: list[int]
     n_vocab: int
     n_ctx: int
-    n_deferred: int  # history's last tokens not in the KV cache yet: the next decode carries them in front
+    # clocks, only ever growing: the verifier and the proposers time their own passes with them
+    decode_seconds: float
+    n_decodes: int
+    n_decoded_tokens: int
 
     def feed(self, tokens: Sequence[int], all_logits: bool = True, view: bool = False) -> np.ndarray:
         """Decode `tokens` after the history in one pass; logits of every position (or the last), (n, V).
@@ -185,13 +187,6 @@ def kv_label(k: str, v: str) -> str:
     return k if k == v else f"{k}/{v}"
 
 
-_LOAD_MODES = {
-    (True, False): llama_cpp.LLAMA_LOAD_MODE_MMAP,
-    (True, True): llama_cpp.LLAMA_LOAD_MODE_MMAP_MLOCK,
-    (False, False): llama_cpp.LLAMA_LOAD_MODE_NONE,
-    (False, True): llama_cpp.LLAMA_LOAD_MODE_MLOCK,
-}
-
 def default_threads() -> int:
     """GGUFSPEC_THREADS when set, else every core this process may run on."""
     if os.environ.get("GGUFSPEC_THREADS", "").isdigit() and int(os.environ["GGUFSPEC_THREADS"]) > 0:
@@ -212,31 +207,12 @@ class LlamaCppDecoder:
         self.options = opts = (options or DecoderOptions()).resolved()
         if opts.memory_check and not opts.offloads:
             check_memory([(self.path, self.header)], opts.n_ctx, opts.cache_type, opts.cache_type_v)
-        llama_log.install(opts.verbose)
-        self.cpu_backend = cpu_backend.prepare()
-        mparams = llama_cpp.llama_model_default_params()
-        mparams.n_gpu_layers = opts.n_gpu_layers
-        mparams.load_mode = _LOAD_MODES[opts.use_mmap, opts.use_mlock]
-        mparams.use_extra_bufts = opts.repack
-        mparams.progress_callback = llama_log.load_progress  # stops the load on Ctrl-C
-        log: list[str] = []
-        self._model = self._ctx = self._batch = None
+        self._ctx = self._batch = None
+        self.model = model = LlamaModel(self.path, self.header, n_gpu_layers=opts.n_gpu_layers, use_mmap=opts.use_mmap,
+                                        use_mlock=opts.use_mlock, repack=opts.repack, verbose=opts.verbose)
+        self.vocab, self.n_vocab, self.n_embd = model.vocab, model.n_vocab, model.n_embd
+        self.weight_buffers, self.cpu_backend = model.weight_buffers, model.cpu_backend
         try:
-            with llama_log.capture(log.append), llama_log.interruptible():
-                self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), mparams) or None
-        except KeyboardInterrupt:
-            self.close()
-            raise
-        # e.g. "load_tensors:   CPU_REPACK model buffer size =    95.34 MiB"
-        self.weight_buffers: dict[str, float] = {
-            m[1]: float(m[2]) for m in re.finditer(r"(\S+) model buffer size =\s*([\d.]+) MiB", "".join(log))
-        }
-        if not self._model:
-            raise ModelFileError(f"{self.path}: llama.cpp could not load this model (run with --verbose to see why).")
-        try:
-            self.vocab = Vocab(self._model)
-            self.n_vocab: int = self.vocab.n_tokens
-            self.n_embd: int = llama_cpp.llama_model_n_embd(self._model)
             cparams = llama_cpp.llama_context_default_params()
             cparams.n_ctx = opts.n_ctx
             cparams.n_batch = opts.n_batch
@@ -257,13 +233,13 @@ class LlamaCppDecoder:
             cparams.type_k = int(GGMLQuantizationType[self.kv_type.upper()])
             cparams.type_v = int(GGMLQuantizationType[self.kv_type_v.upper()])
             with llama_log.interruptible():
-                self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
+                self._ctx = llama_cpp.llama_init_from_model(model.handle, cparams)
             if not self._ctx and opts.kv_type is opts.kv_type_k is opts.kv_type_v is None and self.kv_cache != "f16":
                 # the default q8_0 needs flash attention, which llama.cpp's "auto" may have turned down, and
                 # head sizes that are multiples of its 32-value blocks
                 self.kv_type = self.kv_type_v = "f16"
                 cparams.type_k = cparams.type_v = int(GGMLQuantizationType.F16)
-                self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
+                self._ctx = llama_cpp.llama_init_from_model(model.handle, cparams)
             if not self._ctx:
                 quantized = {self.kv_type, self.kv_type_v} - set(UNQUANTIZED_KV)
                 why = (f"a {self.kv_cache} KV cache needs flash attention and head sizes its blocks divide: "
@@ -296,18 +272,9 @@ class LlamaCppDecoder:
         self._tree: _Tree | None = None
         self._tree_pre: list[int] = []  # deferred tokens decoded in front of the pending tree
 
-    # --- metadata -------------------------------------------------------------------------
-
     def metadata(self, key: str) -> str | None:
-        """A GGUF metadata value as text, or None when absent."""
-        buf = ctypes.create_string_buffer(1 << 16)
-        n = llama_cpp.llama_model_meta_val_str(self._require_model(), key.encode(), buf, len(buf))
-        if n < 0:
-            return None
-        if n >= len(buf):
-            buf = ctypes.create_string_buffer(n + 1)
-            llama_cpp.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
-        return buf.value.decode("utf-8", errors="replace")
+        """A GGUF metadata value of the model, as text; None when absent."""
+        return self.model.metadata(key)
 
     # --- decoding -------------------------------------------------------------------------
 
@@ -597,11 +564,6 @@ class LlamaCppDecoder:
             raise GGUFSpecError("this decoder is closed")
         return self._ctx
 
-    def _require_model(self):
-        if self._model is None:
-            raise GGUFSpecError("this decoder is closed")
-        return self._model
-
     def _mem_checked(self):
         self._require_ctx()
         return self._mem
@@ -619,9 +581,8 @@ class LlamaCppDecoder:
         if self._ctx is not None:
             llama_cpp.llama_free(self._ctx)
             self._ctx = None
-        if self._model is not None:
-            llama_cpp.llama_model_free(self._model)
-            self._model = None
+        if getattr(self, "model", None) is not None:
+            self.model.close()
 
     def __enter__(self) -> LlamaCppDecoder:
         return self

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 from .policy import Policy, Timing
-from .proposers import NO_DRAFT, Context, Proposer
+from .proposers import NO_DRAFT, Context, Counters, Proposer
 from .verifier import Verdict, Verifier
 
 
@@ -30,20 +30,21 @@ def generate_steps(
         state = Context(verifier.history + [last], hidden)
         plan = policy.plan(state, limit, verifier.deferred)
         proposer = proposers.get(plan.source) if plan.source else None
-        if proposer is None:
-            draft, timing = NO_DRAFT, None
-        else:
-            before = replace(proposer.counters)
-            draft = proposer.propose(state, plan.k, plan.nodes)
+        before = replace(proposer.counters) if proposer is not None else None
+        draft = proposer.propose(state, plan.k, plan.nodes) if proposer is not None else NO_DRAFT
         verdict = verifier.verify(last, draft)
-        if proposer is None:
-            timing = Timing(verdict.seconds, verdict.batch)
-        else:
+        if proposer is not None:
             proposer.accept(verdict.kept)
-            c = proposer.counters
-            timing = Timing(verdict.seconds, verdict.batch, c.seconds - before.seconds, c.decodes - before.decodes,
-                            c.decoded - before.decoded)
+        timing = _timing(verdict, proposer.counters if proposer is not None else None, before)
         policy.observe(plan, draft, verdict, timing)
         yield verdict
         last, hidden = verdict.tokens[-1], verdict.hidden
         limit -= len(verdict.tokens)
+
+
+def _timing(verdict: Verdict, after: Counters | None, before: Counters | None) -> Timing:
+    """What a step cost: the verifier's pass, and the proposer's work between its counters before and after."""
+    if after is None or before is None:
+        return Timing(verdict.seconds, verdict.batch)
+    return Timing(verdict.seconds, verdict.batch, after.seconds - before.seconds, after.decodes - before.decodes,
+                  after.decoded - before.decoded)

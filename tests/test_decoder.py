@@ -147,10 +147,10 @@ def test_tree_commits_keep_the_cache_in_position_order(smollm2_path, accepted_no
         d.feed(prefix)
         d.tree_logits(tokens, TREE_PARENTS)
         path = _path(TREE_PARENTS, accepted_node)
-        d.commit_tree_path(path)
+        deferred = d.commit_tree_path(path)
         committed = [tokens[i] for i in path]
         assert d.history == prefix + committed
-        assert d.n_deferred == len(path) - next((i for i, node in enumerate(path) if node != i), len(path))
+        assert deferred == d.n_deferred == len(path) - next((i for i, node in enumerate(path) if node != i), len(path))
         n_deferred = d.n_deferred
         d.tree_logits([later[0], 77], [-1, -1])  # a tree left uncommitted leaves the history as it was
         d.rollback_to(len(d.history))

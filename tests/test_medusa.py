@@ -293,20 +293,26 @@ def test_walk_samples_exactly_like_the_target_token_by_token() -> None:
         assert last not in tokens[tree.children(path[-1])]
 
 
+def _count_steps(monkeypatch) -> dict[str, int]:
+    """Counts, as `auto` runs, the lookup guesses it verifies and the Medusa trees."""
+    ran = {"lookup": 0, "tree": 0}
+    observe = AutoPolicy.observe
+
+    def observed(self, plan, draft, verdict, timing) -> None:
+        ran["lookup"] += plan.source == "lookup"
+        ran["tree"] += draft.tree is not None
+        observe(self, plan, draft, verdict, timing)
+
+    monkeypatch.setattr(AutoPolicy, "observe", observed)
+    return ran
+
+
 def test_auto_with_heads_verifies_lookup_guesses_and_sized_trees(smollm2_path, demo_heads, monkeypatch) -> None:
     """`auto` with heads and no draft model: lookup's guess where the text repeats and its cost model expects more
     tokens a second from it than from the sized tree, else the tree; the target's text either way. The costs given
     say trees pay, so a fresh engine's first steps verify trees (until real tree batches teach the sizer what they
     cost here); the code repeats its own names, so lookup guesses too."""
-    steps = {"lookup": 0, "tree": 0}
-    observe = AutoPolicy.observe
-
-    def observed(self, plan, draft, verdict, timing) -> None:
-        steps["lookup"] += plan.source == "lookup"
-        steps["tree"] += draft.tree is not None
-        observe(self, plan, draft, verdict, timing)
-
-    monkeypatch.setattr(AutoPolicy, "observe", observed)
+    steps = _count_steps(monkeypatch)
     # costs where trees and lookup guesses pay, kept so (this CPU's may rightly turn lookup off)
     with _engine(smollm2_path, demo_heads, trees_pay()) as engine:
         assert engine.method_for(GenerationSettings()).name == "auto"
@@ -356,15 +362,7 @@ def test_sampled_auto_with_heads_follows_the_target(tiny_target, random_heads, m
     """`auto` with heads when sampling: the first two tokens (each from a lookup guess, a tree or a plain pass) follow
     the target's tempered top-k distribution. Lookup's guesses are most of the steps judged here; the sizer soon
     finds these random heads' trees do not pay, and sampled trees alone are tested below."""
-    ran = {"lookup": 0, "tree": 0}
-    observe = AutoPolicy.observe
-
-    def observed(self, plan, draft, verdict, timing) -> None:
-        ran["lookup"] += plan.source == "lookup"
-        ran["tree"] += draft.tree is not None
-        observe(self, plan, draft, verdict, timing)
-
-    monkeypatch.setattr(AutoPolicy, "observe", observed)
+    ran = _count_steps(monkeypatch)
     # the sizer learns what the seeds make the heads keep, not this machine's timings: in one CI run trees were priced
     # out after the first (1 tree step in 2000 answers; without timings, 21 here)
     sizer_observe = TreeSizer.observe
