@@ -22,10 +22,22 @@ class LookupProposer:
         self.n_vocab, self.ngram_max, self.ngram_min = n_vocab, ngram_max, ngram_min
         self.match = 0  # how many tokens before the guess the last find() matched (up to LONG_MATCH)
         self.counters = Counters()
+        # the last find: (context, its length, k, guess, match)
+        self._last: tuple[list[int], int, int, list[int], int] | None = None
 
     def find(self, context: list[int], k: int) -> list[int]:
         """Up to k tokens continuing the longest (then latest) earlier match of the context's tail; sets `match`.
-        A prefix of a longer guess is the shorter guess: find(c, n) == find(c, k)[:n] for n <= k."""
+        A prefix of a longer guess is the shorter guess: find(c, n) == find(c, k)[:n] for n <= k, so a second call
+        on the same context list (the policy's, then the proposal's) is answered from the first."""
+        last = self._last
+        if last is not None and last[0] is context and last[1] == len(context) and k <= last[2]:
+            self.match = last[4]
+            return last[3][:k]
+        guess = self._find(context, k)
+        self._last = (context, len(context), k, guess, self.match)
+        return guess
+
+    def _find(self, context: list[int], k: int) -> list[int]:
         ctx = np.asarray(context)
         self.match = 0
         # where an earlier occurrence of the last token ends an n-gram equal to the tail (one pass over the
