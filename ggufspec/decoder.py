@@ -597,6 +597,14 @@ class LlamaCppDecoder:
             pass
 
 
+def prefill(d: Decoder, context: list[int]) -> None:
+    """Decode `context` into d's cache, reusing its common prefix (an empty context empties it)."""
+    if context:
+        d.sync(context)
+    else:
+        d.rollback_to(0)
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     """Length of the longest common prefix, compared in C (histories run to thousands of tokens)."""
     n = min(len(a), len(b))

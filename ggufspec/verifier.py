@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .decoder import Decoder
+from .decoder import Decoder, prefill
 from .proposers import Draft
 from .sampling import SamplingParams, pick, probabilities, sample
 from .trees import Tree, walk
@@ -110,11 +110,7 @@ class Verifier:
 
     def prefill(self, context: list[int]) -> None:
         """Decode `context` into the target's cache, reusing its common prefix (an empty one empties it)."""
-        t = self.target
-        if context:
-            t.sync(context)
-        else:
-            t.rollback_to(0)
+        prefill(self.target, context)
         self.deferred = 0
 
     def verify(self, last: int, draft: Draft) -> Verdict:

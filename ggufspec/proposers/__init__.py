@@ -8,7 +8,7 @@ here and a row in `PROPOSERS`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -102,7 +102,7 @@ class Source:
 
     build: Callable[[Setup], Proposer]
     needs: str | None = None  # "draft" or "heads"
-    help: str = field(default="")
+    help: str = ""
 
 
 def _lookup(s: Setup) -> Proposer:

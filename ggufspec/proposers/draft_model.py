@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..decoder import Decoder, common_prefix
+from ..decoder import Decoder, common_prefix, prefill
 from ..sampling import SamplingParams, probabilities, sample, softmax
 from ..trees import ordered_tree
 from . import NO_DRAFT, Context, Counters, Draft
@@ -13,14 +13,6 @@ from . import NO_DRAFT, Context, Counters, Draft
 # and spends the nodes left on runner-up guesses (where a batch of 4 costs about as much as one of 3, stopping short
 # without them saves draft steps but not target time): docs/methods.md, "Where the constants come from"
 REACH_MIN = 0.3
-
-
-def prefill(d: Decoder, context: list[int]) -> None:
-    """Decode `context` into d's cache, reusing its common prefix (an empty context empties it)."""
-    if context:
-        d.sync(context)
-    else:
-        d.rollback_to(0)
 
 
 class DraftModelProposer:
