@@ -7,12 +7,13 @@ them; rolling back removes KV entries. Every position is decoded once unless rol
 
 from __future__ import annotations
 
+import copy
 import os
 import time
-from contextlib import nullcontext
-from dataclasses import dataclass
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Iterable, Protocol, Sequence
 
 import llama_cpp
 import numpy as np
@@ -22,6 +23,7 @@ from . import kv_cache, llama_log
 from .errors import ContextLengthError, GGUFSpecError
 from .gguf_check import read_header
 from .llama_batch import Batch
+from .lockstep import Lockstep, Submission
 from .memory import check_memory
 from .model import LlamaModel
 
@@ -72,6 +74,9 @@ CPU_UBATCH = 64
 # graph nodes rather than after the whole batch; smaller ones (verification chains and trees, Medusa's of up to 64
 # nodes, single tokens) skip the check's call into Python at every node.
 ABORTABLE_BATCH = 64
+# A slot (LlamaCppDecoder.slots) decodes a prompt in chunks of at most this many tokens, each riding in one shared
+# batch with the other slots' steps: a long prompt joining delays their next tokens by about one such chunk's decode
+SLOT_CHUNK = 128
 
 
 @dataclass
@@ -271,6 +276,69 @@ class LlamaCppDecoder:
         self._unrecorded = False  # a decode's cells may be in the KV cache without being in the history
         self._tree: _Tree | None = None
         self._tree_pre: list[int] = []  # deferred tokens decoded in front of the pending tree
+        # a slot of a shared context (see slots): its sequences are _seq (the history) and the _span - 1 after it
+        # (its trees' leaves); its decodes are submissions to _runner's batches through _lockstep
+        self._seq, self._span = 0, opts.n_seq_max
+        self._lockstep: Lockstep | None = None
+        self._runner: _SharedContext | None = None
+        self._sub: Submission | None = None  # a slot's last decode, with its copied rows
+        self._owner = True  # frees the context on close (a slot does not)
+
+    @classmethod
+    def slots(cls, path: str | os.PathLike, options: DecoderOptions, n: int,
+              lockstep: Lockstep) -> list[LlamaCppDecoder]:
+        """n decoders over ONE llama.cpp context, one per KV sequence set (llama-server's slots): each keeps its own
+        history in its own sequences, and their decodes run together, one batch per tick of `lockstep` (see
+        lockstep.py). options.n_ctx is the whole cache, as llama-server's -c: each slot holds n_ctx // n tokens;
+        options.n_seq_max is each slot's (its trees' leaves + 1). Closing a slot closes only the slot: the context
+        is freed with the last of them."""
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        span, chunk = options.n_seq_max, min(options.n_batch, SLOT_CHUNK)
+        per_slot = options.n_ctx // n
+        if per_slot < 2:
+            raise ValueError(f"a context of {options.n_ctx} tokens cannot hold {n} slots")
+        # the cache holds every slot's n_ctx // n tokens, plus one chunk each for their trees' transient nodes
+        whole = replace(options, n_ctx=per_slot * n + n * chunk, n_batch=n * chunk, n_seq_max=n * span,
+                        n_ubatch=min(options.micro_batch, n * chunk))
+        owner = cls(path, whole)
+        runner = _SharedContext(owner)
+        view_options = replace(owner.options, n_ctx=per_slot, n_batch=chunk, n_seq_max=span, n_ubatch=None)
+        return [owner._slot(i * span, view_options, lockstep, runner) for i in range(n)]
+
+    def _slot(self, seq: int, options: DecoderOptions, lockstep: Lockstep, runner: _SharedContext) -> LlamaCppDecoder:
+        view = copy.copy(self)
+        view.options, view.n_ctx = options, options.n_ctx
+        view._seq, view._span, view._lockstep, view._runner, view._sub, view._owner = (
+            seq, options.n_seq_max, lockstep, runner, None, False)
+        view.history, view._deferred, view._tree, view._tree_pre = [], [], None, []
+        view.shift_keep, view.n_shifts, view.decode_seconds, view.n_decodes, view.n_decoded_tokens = None, 0, 0.0, 0, 0
+        view._n_out = view._skip = 0
+        view._unrecorded = False
+        return view
+
+    @property
+    def shared(self) -> bool:
+        """Whether this decoder is a slot of a shared context."""
+        return self._lockstep is not None
+
+    def _locked(self) -> AbstractContextManager:
+        """Held around every use of a shared context (nothing for a context of one's own)."""
+        return self._lockstep.lock if self._lockstep is not None else nullcontext()
+
+    def _submit(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[Sequence[int]],
+                outputs: Sequence[bool], hidden: bool) -> int:
+        """A slot's decode: its part of the next shared batch; llama_decode's return code."""
+        sub = Submission(tokens, positions, seq_ids, outputs, hidden)
+        self._unrecorded = True
+        try:
+            self._lockstep.submit(self._runner, sub)
+        finally:
+            self.decode_seconds += sub.seconds
+            self.n_decodes += 1
+            self.n_decoded_tokens += len(tokens)
+        self._sub = sub
+        return sub.rc
 
     def metadata(self, key: str) -> str | None:
         """A GGUF metadata value of the model, as text; None when absent."""
@@ -316,9 +384,14 @@ class LlamaCppDecoder:
 
     def _decode(self, tokens: Sequence[int], all_logits: bool) -> None:
         self._require_ctx()
-        self._batch.fill(tokens, len(self.history), all_logits)
         hidden = all_logits or len(tokens) == 1
-        rc = self._run_batch(len(tokens), hidden)
+        if self.shared:
+            start, n = len(self.history), len(tokens)
+            rc = self._submit(tokens, range(start, start + n), [[self._seq]] * n,
+                              [all_logits or i == n - 1 for i in range(n)], hidden)
+        else:
+            self._batch.fill(tokens, len(self.history), all_logits)
+            rc = self._run_batch(len(tokens), hidden)
         if rc != 0:
             # llama.cpp leaves no partial batch in the KV on failure; the history stays as it was.
             raise GGUFSpecError(f"llama_decode failed with code {rc} at position {len(self.history)}")
@@ -352,6 +425,8 @@ class LlamaCppDecoder:
         return rc
 
     def _logits(self, n_rows: int, view: bool = False) -> np.ndarray:
+        if self.shared:
+            return self._sub.logits  # the rows it asked for, copied: n_rows of them
         ptr = llama_cpp.llama_get_logits(self._ctx)
         rows = np.ctypeslib.as_array(ptr, shape=(n_rows, self.n_vocab))
         if not view:
@@ -377,8 +452,9 @@ class LlamaCppDecoder:
         mem = self._mem_checked()
         if not llama_cpp.llama_memory_can_shift(mem):
             raise GGUFSpecError("this model's cache cannot shift positions; use a larger --n-ctx instead.")
-        llama_cpp.llama_memory_seq_rm(mem, 0, keep, keep + discard)
-        llama_cpp.llama_memory_seq_add(mem, 0, keep + discard, -1, -discard)
+        with self._locked():
+            llama_cpp.llama_memory_seq_rm(mem, self._seq, keep, keep + discard)
+            llama_cpp.llama_memory_seq_add(mem, self._seq, keep + discard, -1, -discard)
         del self.history[keep : keep + discard]
         self.n_shifts += 1
 
@@ -390,7 +466,10 @@ class LlamaCppDecoder:
         # _unrecorded: a decode was interrupted (Ctrl-C lands right after llama_decode returns) before the
         # history recorded it, so cells past the history may hold its tokens; any tree sequences go with them
         if n < cached or self._unrecorded:
-            if not llama_cpp.llama_memory_seq_rm(self._mem_checked(), -1, min(n, cached), -1):
+            with self._locked():  # a slot's own sequence (its tree sequences went with _end_tree), else all
+                ok = llama_cpp.llama_memory_seq_rm(self._mem_checked(), self._seq if self.shared else -1,
+                                                   min(n, cached), -1)
+            if not ok:
                 raise GGUFSpecError("this model's memory cannot be rolled back partially (recurrent model?)")
             self._unrecorded = False
         del self._deferred[max(n - cached, 0):]
@@ -398,7 +477,10 @@ class LlamaCppDecoder:
 
     def reset(self) -> None:
         """Forget the whole history."""
-        llama_cpp.llama_memory_clear(self._mem_checked(), True)
+        if self.shared:
+            self._drop_sequences(range(self._seq, self._seq + self._span))
+        else:
+            llama_cpp.llama_memory_clear(self._mem_checked(), True)
         self._unrecorded = False
         self.history.clear()
         self._deferred.clear()
@@ -421,6 +503,8 @@ class LlamaCppDecoder:
             raise GGUFSpecError("hidden states need a decoder created with embeddings=True")
         if not self._n_out:
             raise GGUFSpecError("the last decode computed no hidden states (a prefill for the last token's logits)")
+        if self.shared:
+            return self._sub.states[self._skip :]
         ptr = llama_cpp.llama_get_embeddings(self._require_ctx())
         return np.ctypeslib.as_array(ptr, shape=(self._n_out, self.n_embd))[self._skip :].copy()
 
@@ -451,17 +535,22 @@ class LlamaCppDecoder:
                 raise ContextLengthError(f"the tree does not fit the context of {self.n_ctx} tokens")
             self.shift(tree.depth_max + 1)
         base = len(self.history)
-        if len(tokens) > self._batch.capacity:
+        if len(tokens) > self.options.n_batch:
             raise GGUFSpecError(f"a tree of {len(tokens)} nodes needs n_batch >= {len(tokens)}")
-        mem = self._mem_checked()
-        for s in range(1, tree.n_leaves + 1):
-            llama_cpp.llama_memory_seq_cp(mem, 0, s, -1, -1)
-        self._batch.fill_tree(tokens, [base + d for d in tree.depth], tree.seq_ids)
-        rc = self._run_batch(len(tokens))
-        self._batch.reset_sequences(len(tokens))
-        if rc != 0:
+        mem, seq = self._mem_checked(), self._seq
+        with self._locked():
             for s in range(1, tree.n_leaves + 1):
-                llama_cpp.llama_memory_seq_rm(mem, s, -1, -1)
+                llama_cpp.llama_memory_seq_cp(mem, seq, seq + s, -1, -1)
+        positions = [base + d for d in tree.depth]
+        if self.shared:
+            rc = self._submit(tokens, positions, [[seq + s for s in ids] for ids in tree.seq_ids], [True] * len(tokens),
+                              True)
+        else:
+            self._batch.fill_tree(tokens, positions, tree.seq_ids)
+            rc = self._run_batch(len(tokens))
+            self._batch.reset_sequences(len(tokens))
+        if rc != 0:
+            self._drop_sequences(range(seq + 1, seq + tree.n_leaves + 1))
             raise GGUFSpecError(f"llama_decode failed with code {rc} on a tree of {len(tokens)} nodes")
         self._n_out = len(tokens)
         self._tree = tree
@@ -480,23 +569,25 @@ class LlamaCppDecoder:
         if path and tree.parents[path[0] + n_pre] != n_pre - 1:
             raise ValueError(f"path must start at a root node, node {path[0]} is not one")
         full = [*range(n_pre), *(int(i) + n_pre for i in path)]
-        mem = self._mem
+        mem, seq = self._mem, self._seq
         base = len(self.history) - n_pre
-        if full:
-            leaf_seq = tree.seq_ids[full[-1]][0]
-            llama_cpp.llama_memory_seq_rm(mem, leaf_seq, base + len(full), -1)
-            llama_cpp.llama_memory_seq_keep(mem, leaf_seq)
-            llama_cpp.llama_memory_seq_cp(mem, leaf_seq, 0, -1, -1)
-            llama_cpp.llama_memory_seq_rm(mem, leaf_seq, -1, -1)
-        else:
-            llama_cpp.llama_memory_seq_keep(mem, 0)
+        with self._locked():
+            if full:
+                leaf_seq = seq + tree.seq_ids[full[-1]][0]
+                llama_cpp.llama_memory_seq_rm(mem, leaf_seq, base + len(full), -1)
+                self._keep_sequence(leaf_seq, tree.n_leaves)
+                llama_cpp.llama_memory_seq_cp(mem, leaf_seq, seq, -1, -1)
+                llama_cpp.llama_memory_seq_rm(mem, leaf_seq, -1, -1)
+            else:
+                self._keep_sequence(seq, tree.n_leaves)
         # Node i of the batch sits in the cache cell after node i-1's. The path's nodes after its first gap
         # would sit past freed cells that later tokens fill: out of position order, and llama.cpp's attention
         # adds up cells in cache order, so its logits would drift from plain decoding's (docs/exactness.md). Those
         # nodes are dropped from the cache and decoded again in front of the next batch.
         contiguous = next((i for i, node in enumerate(full) if node != i), len(full))
         if contiguous < len(full):
-            llama_cpp.llama_memory_seq_rm(mem, 0, base + contiguous, -1)
+            with self._locked():
+                llama_cpp.llama_memory_seq_rm(mem, seq, base + contiguous, -1)
         committed = [self._tree_tokens[i] for i in full]
         del self.history[base:]
         self.history.extend(committed)
@@ -507,9 +598,22 @@ class LlamaCppDecoder:
     def _end_tree(self) -> None:
         """Drop an uncommitted tree from the cache: the history is as it was before tree_logits."""
         if self._tree is not None:
-            llama_cpp.llama_memory_seq_keep(self._mem, 0)  # the tree's cells are in its leaves' sequences only
+            with self._locked():  # the tree's cells are in its leaves' sequences only
+                self._keep_sequence(self._seq, self._tree.n_leaves)
             self._deferred = self._tree_pre
             self._tree, self._tree_pre = None, []
+
+    def _keep_sequence(self, keep: int, n_leaves: int) -> None:
+        """Of this decoder's history sequence and its tree's n_leaves leaf sequences, only `keep` stays."""
+        if not self.shared:
+            llama_cpp.llama_memory_seq_keep(self._mem, keep)  # one pass over the cache; there is no other slot
+            return
+        self._drop_sequences(s for s in range(self._seq, self._seq + n_leaves + 1) if s != keep)
+
+    def _drop_sequences(self, seqs: Iterable[int]) -> None:
+        with self._locked():
+            for s in seqs:
+                llama_cpp.llama_memory_seq_rm(self._mem_checked(), s, -1, -1)
 
     # --- independent sequences -------------------------------------------------------------
 
@@ -523,6 +627,7 @@ class LlamaCppDecoder:
         view=True: a read-only view of llama.cpp's buffer, valid only until this decoder's next decode.
         """
         self._require_ctx()
+        self._require_own("decode_sequences")
         self._end_tree()
         self._require_no_history("decode_sequences")
         n = len(tokens)
@@ -544,14 +649,20 @@ class LlamaCppDecoder:
 
     def clear_sequence(self, seq_id: int) -> None:
         """Drop every KV entry of sequence seq_id (filled by decode_sequences; the history must be empty)."""
+        self._require_own("clear_sequence")
         self._require_no_history("clear_sequence")
         llama_cpp.llama_memory_seq_rm(self._mem_checked(), seq_id, -1, -1)
 
     def kv_positions(self, seq_id: int = 0) -> tuple[int, int]:
         """Lowest and highest position the KV cache holds for sequence seq_id, (-1, -1) when none; sequence 0
         holds the history."""
-        mem = self._mem_checked()
-        return llama_cpp.llama_memory_seq_pos_min(mem, seq_id), llama_cpp.llama_memory_seq_pos_max(mem, seq_id)
+        mem, seq_id = self._mem_checked(), self._seq + seq_id
+        with self._locked():
+            return llama_cpp.llama_memory_seq_pos_min(mem, seq_id), llama_cpp.llama_memory_seq_pos_max(mem, seq_id)
+
+    def _require_own(self, what: str) -> None:
+        if self.shared:
+            raise GGUFSpecError(f"{what} needs a context of its own, not a slot of a shared one")
 
     def _require_no_history(self, what: str) -> None:
         if self.history:
@@ -574,7 +685,11 @@ class LlamaCppDecoder:
         return kv_label(self.kv_type, self.kv_type_v)
 
     def close(self) -> None:
-        """Free the context, the batch and the model; further use raises GGUFSpecError."""
+        """Free the context, the batch and the model; further use raises GGUFSpecError. A slot lets go of its
+        shared context, which the last reference frees."""
+        if not getattr(self, "_owner", True):
+            self._ctx = self._batch = self._runner = None
+            return
         if self._batch is not None:
             self._batch.close()
             self._batch = None
@@ -595,6 +710,44 @@ class LlamaCppDecoder:
             self.close()
         except Exception:
             pass
+
+
+class _SharedContext:
+    """The context the slots share: runs one tick's submissions as one batch (lockstep.Runner)."""
+
+    def __init__(self, owner: LlamaCppDecoder) -> None:
+        self.owner = owner
+        self._hidden_on = owner.options.embeddings
+
+    def run(self, subs: list[Submission]) -> None:
+        o = self.owner
+        tokens = [t for s in subs for t in s.tokens]
+        n = len(tokens)
+        if n > o._batch.capacity:  # cannot happen: each slot submits at most its n_batch
+            raise GGUFSpecError(f"a shared batch of {n} tokens exceeds its capacity {o._batch.capacity}")
+        o._batch.fill_entries(tokens, [p for s in subs for p in s.positions], [ids for s in subs for ids in s.seq_ids],
+                              [out for s in subs for out in s.outputs])
+        hidden = o.options.embeddings and any(s.hidden for s in subs)
+        if self._hidden_on != hidden:
+            self._hidden_on = hidden
+            llama_cpp.llama_set_embeddings(o._ctx, hidden)
+        rc = llama_cpp.llama_decode(o._ctx, o._batch.struct)
+        o._batch.reset_sequences(n)
+        o.n_decodes += 1
+        o.n_decoded_tokens += n
+        row = 0
+        for s in subs:
+            s.rc = rc
+            if rc == 0:
+                rows = [row + i for i, out in enumerate(s.outputs) if out]
+                s.logits = np.stack([_row(llama_cpp.llama_get_logits_ith(o._ctx, i), o.n_vocab) for i in rows])
+                if hidden and s.hidden:
+                    s.states = np.stack([_row(llama_cpp.llama_get_embeddings_ith(o._ctx, i), o.n_embd) for i in rows])
+            row += len(s.tokens)
+
+
+def _row(ptr, n: int) -> np.ndarray:
+    return np.ctypeslib.as_array(ptr, shape=(n,)).copy()
 
 
 def prefill(d: Decoder, context: list[int]) -> None:

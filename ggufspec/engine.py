@@ -124,6 +124,27 @@ class SpeculativeEngine:
         costs: CostModel | None = None,
     ) -> SpeculativeEngine:
         """Open the GGUF files (checked first, and their RAM needs together) and pair them; Medusa heads if given."""
+        options = cls.check_files(target_path, draft_path, options, medusa_path, medusa_vocab)
+        target = LlamaCppDecoder(target_path, cls.target_options(options, draft_path))
+        draft = None
+        try:
+            if draft_path is not None:
+                draft = LlamaCppDecoder(draft_path, options)
+            engine = cls(target, draft, settings, costs)
+            engine.load_heads(medusa_path, medusa_vocab)
+            return engine
+        except BaseException:
+            target.close()
+            if draft is not None:
+                draft.close()
+            raise
+
+    @staticmethod
+    def check_files(target_path: str | os.PathLike, draft_path: str | os.PathLike | None,
+                    options: DecoderOptions | None, medusa_path: str | os.PathLike | None = None,
+                    medusa_vocab: int | str | os.PathLike | None = None) -> DecoderOptions:
+        """What load checks before any model loads (the files, their RAM needs together with a cache of
+        options.n_ctx tokens); the options to load them with (Medusa's need hidden states and tree sequences)."""
         options = options or DecoderOptions()
         if medusa_path is not None:
             options = medusa_decoder_options(options)
@@ -139,24 +160,21 @@ class SpeculativeEngine:
             extra = heads_memory(medusa_path, headers[0], medusa_vocab) if medusa_path is not None else []
             kv = options.resolved()  # this machine's default V cache type, chosen before the check sizes the cache
             check_memory(list(zip(paths, headers)), options.n_ctx, kv.cache_type, kv.cache_type_v, extra)
-        target_options = options
-        if draft_path is not None:  # room for `auto`'s draft trees (a unified cache: same size, same speed here)
-            target_options = replace(options, n_seq_max=max(options.n_seq_max, DRAFT_TREE_SEQUENCES))
-        target = LlamaCppDecoder(target_path, target_options)
-        draft = None
-        try:
-            if draft_path is not None:
-                draft = LlamaCppDecoder(draft_path, options)
-            engine = cls(target, draft, settings, costs)
-            if medusa_path is not None:
-                engine.medusa = Heads.load(medusa_path, target.path, target.n_embd, target.n_vocab,
-                                           medusa_vocab, special_ids(target.vocab) if medusa_vocab is not None else ())
-            return engine
-        except BaseException:
-            target.close()
-            if draft is not None:
-                draft.close()
-            raise
+        return options
+
+    @staticmethod
+    def target_options(options: DecoderOptions, draft_path: str | os.PathLike | None) -> DecoderOptions:
+        """With a draft model, room for `auto`'s draft trees (a unified cache: same size, same speed here)."""
+        if draft_path is None:
+            return options
+        return replace(options, n_seq_max=max(options.n_seq_max, DRAFT_TREE_SEQUENCES))
+
+    def load_heads(self, medusa_path: str | os.PathLike | None, medusa_vocab: int | str | os.PathLike | None) -> None:
+        """Medusa heads for this engine's target, when a path is given."""
+        if medusa_path is not None:
+            t = self.target
+            self.medusa = Heads.load(medusa_path, t.path, t.n_embd, t.n_vocab, medusa_vocab,
+                                     special_ids(t.vocab) if medusa_vocab is not None else ())
 
     # --- prompts --------------------------------------------------------------------------
 

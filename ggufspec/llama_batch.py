@@ -54,6 +54,12 @@ class Batch:
             self.n_seq_id[i] = len(ids)
         self._batch.n_tokens = n
 
+    def fill_entries(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[Sequence[int]],
+                     outputs: Sequence[bool]) -> None:
+        """Tokens of any sequences (several slots' steps in one batch); logits for those with `outputs`."""
+        self.fill_tree(tokens, positions, seq_ids)
+        self.logits[: len(tokens)] = outputs
+
     def reset_sequences(self, n: int) -> None:
         """Put the first n slots back in sequence 0 only (after a tree batch)."""
         for row in self._seq_rows[:n]:

@@ -1,0 +1,121 @@
+"""`Lockstep`: threads that share llama.cpp contexts decode together, one batch per context per tick.
+
+Each sequence (a slot: one request's generation) runs the ordinary engine loop in its own thread, on decoders that
+are views of shared contexts (LlamaCppDecoder.slots). A view's decode is a `Submission`: it waits until every
+member thread is waiting on one, then the last to arrive runs every context's pending submissions as ONE
+llama_decode per context and wakes the others. So the target verifies every slot's proposal in one batch, the draft
+model decodes every slot's draft position in one batch, a joining prompt's chunk rides along with the others'
+steps, and the loop, the verifier and the proposers do not know that they share (continuous batching, as
+llama-server's slots, with no second code path).
+
+Rules: a thread that uses a view takes part (`member()`, or one submission at a time when it is not a member); every
+use of a shared context (decodes, KV sequence edits) holds `lock`; results are copied out before anyone decodes
+again, so they never alias llama.cpp's buffers.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+
+@dataclass
+class Submission:
+    """One view's part of a batch: n tokens, each at its position in its sequences; rows for those with `outputs`."""
+
+    tokens: Sequence[int]  # (n,)
+    positions: Sequence[int]  # (n,)
+    seq_ids: Sequence[Sequence[int]]  # (n, *) the sequences each token belongs to
+    outputs: Sequence[bool]  # (n,) which tokens' logits (and hidden states) come back
+    hidden: bool = False  # hidden states too (the context's embeddings are turned on for the batch)
+    # filled by the batch's run
+    rc: int = -1  # llama_decode's return code for the whole batch
+    logits: np.ndarray | None = None  # (outputs, V) copied rows
+    states: np.ndarray | None = None  # (outputs, H) with hidden
+    seconds: float = 0.0  # the whole batch's decode time
+    batch: int = 0  # tokens in the whole batch, every member's
+
+
+class Runner(Protocol):
+    """A shared context: runs the submissions of one tick as one batch (under Lockstep.lock)."""
+
+    def run(self, subs: list[Submission]) -> None: ...
+
+
+@dataclass
+class _Tick:
+    """The submissions waiting for the next run, per context."""
+
+    pending: dict[int, tuple[Runner, list[Submission]]] = field(default_factory=dict)
+    waiting: int = 0
+
+
+class Lockstep:
+    """The rendezvous of the member threads of a set of shared contexts."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Condition(threading.RLock())
+        self._members = 0
+        self._tick = _Tick()
+        self._generation = 0  # ticks run so far
+        self._local = threading.local()
+        self.n_ticks = 0  # ticks run
+
+    @property
+    def members(self) -> int:
+        return self._members
+
+    @contextmanager
+    def member(self) -> Iterator[None]:
+        """The calling thread takes part while inside: ticks wait for its submissions (re-entrant)."""
+        depth = getattr(self._local, "depth", 0)
+        if depth == 0:
+            with self.lock:
+                self._members += 1
+        self._local.depth = depth + 1
+        try:
+            yield
+        finally:
+            self._local.depth = depth
+            if depth == 0:
+                with self.lock:
+                    self._members -= 1
+                    self._maybe_run()
+
+    def submit(self, runner: Runner, sub: Submission) -> Submission:
+        """Queue `sub` for `runner`'s next batch and wait until it has run; `sub` comes back with its results."""
+        with self.member():
+            with self.lock:
+                entry = self._tick.pending.setdefault(id(runner), (runner, []))
+                entry[1].append(sub)
+                self._tick.waiting += 1
+                generation = self._generation
+                if not self._maybe_run():
+                    while self._generation == generation:
+                        self.lock.wait()
+        return sub
+
+    def _maybe_run(self) -> bool:
+        """Run the tick when every member waits (called holding the lock); whether it ran."""
+        tick = self._tick
+        if tick.waiting == 0 or tick.waiting < self._members:
+            return False
+        self._tick = _Tick()
+        try:
+            for runner, subs in tick.pending.values():
+                t0 = time.perf_counter()
+                runner.run(subs)
+                seconds, n = time.perf_counter() - t0, sum(len(s.tokens) for s in subs)
+                for s in subs:
+                    s.seconds, s.batch = seconds, n
+            self.n_ticks += 1
+        finally:
+            self._generation += 1
+            self.lock.notify_all()
+        return True

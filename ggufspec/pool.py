@@ -1,0 +1,179 @@
+"""`EnginePool`: N slots, each a `SpeculativeEngine` over its own sequences of shared target and draft contexts,
+generating side by side (continuous batching with speculation; see lockstep.py).
+
+Each generation runs the ordinary engine loop in a thread of its own; the slots' decodes meet in one target batch
+and one draft batch per tick. Text equals what each prompt gets alone on one engine (docs/exactness.md says where
+llama.cpp's kernels may flip a near-tie)."""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+
+from .costs import CostModel, cached_measure
+from .decoder import DecoderOptions, LlamaCppDecoder, common_prefix
+from .engine import DRAFT_TREE_SEQUENCES, GenerationResponse, GenerationSettings, Prompt, SpeculativeEngine
+from .errors import GGUFSpecError
+from .lockstep import Lockstep
+
+MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ: the sequences of all slots together
+
+
+@dataclass
+class Slot:
+    """One slot: its engine and what it is doing, for /slots."""
+
+    id: int
+    engine: SpeculativeEngine
+    busy: bool = False
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    drafts_kept: int = 0
+
+
+class EnginePool:
+    """`parallel` slots over one target context (and one draft context): up to `parallel` generations at once."""
+
+    def __init__(self, slots: list[Slot], lockstep: Lockstep) -> None:
+        self.slots, self.lockstep = slots, lockstep
+        self._free = threading.Condition()
+        self._closed = False
+
+    @classmethod
+    def load(cls, target_path: str | os.PathLike, draft_path: str | os.PathLike | None = None,
+             options: DecoderOptions | None = None, settings: GenerationSettings | None = None,
+             medusa_path: str | os.PathLike | None = None, medusa_vocab: int | str | os.PathLike | None = None,
+             costs: CostModel | None = None, parallel: int = 4) -> EnginePool:
+        """Open the models (checked as SpeculativeEngine.load checks them) as `parallel` slots sharing one context
+        each; options.n_ctx is the whole cache (as llama-server's -c), each slot holds n_ctx // parallel tokens.
+        The cost model `auto` prices steps with is measured (or read from the cache) here, before any slot runs."""
+        if parallel < 1:
+            raise GGUFSpecError(f"--parallel must be >= 1, got {parallel}")
+        settings = settings or GenerationSettings()
+        options = SpeculativeEngine.check_files(target_path, draft_path, options, medusa_path, medusa_vocab)
+        target_options = SpeculativeEngine.target_options(options, draft_path)
+        if parallel * target_options.n_seq_max > MAX_SEQUENCES:
+            raise GGUFSpecError(f"--parallel {parallel} needs {parallel * target_options.n_seq_max} KV sequences "
+                                f"({target_options.n_seq_max} a slot); llama.cpp allows {MAX_SEQUENCES}")
+        lockstep = Lockstep()
+        targets = LlamaCppDecoder.slots(target_path, target_options, parallel, lockstep)
+        drafts = LlamaCppDecoder.slots(draft_path, options, parallel, lockstep) if draft_path else [None] * parallel
+        engines = [SpeculativeEngine(t, d, settings, costs) for t, d in zip(targets, drafts)]
+        for e in engines:
+            e.load_heads(medusa_path, medusa_vocab)
+        if costs is None:  # measured by one slot alone, now: later, the other slots' batches would ride along
+            costs = cached_measure(targets[0], drafts[0], settings.draft_max)
+            for e in engines:
+                e.costs = costs
+        return cls([Slot(i, e) for i, e in enumerate(engines)], lockstep)
+
+    @property
+    def parallel(self) -> int:
+        return len(self.slots)
+
+    @property
+    def engine(self) -> SpeculativeEngine:
+        """Slot 0's engine: for what all slots share (vocabulary, metadata, encode, n_ctx)."""
+        return self.slots[0].engine
+
+    @contextmanager
+    def slot(self, tokens: list[int] | None = None, timeout: float | None = None) -> Iterator[Slot]:
+        """A free slot, held inside: the one whose cache shares the longest prefix with `tokens` (llama-server's
+        slot similarity), else the one least recently used. Waits for one (TimeoutError past `timeout`)."""
+        with self._free:
+            if not self._free.wait_for(lambda: self._closed or any(not s.busy for s in self.slots), timeout):
+                raise TimeoutError("no slot came free")
+            if self._closed:
+                raise GGUFSpecError("this engine pool is closed.")
+            free = [s for s in self.slots if not s.busy]
+            slot = max(free, key=lambda s: common_prefix(s.engine.target.history, tokens or []))
+            slot.busy = True
+            self.slots.remove(slot)
+            self.slots.append(slot)  # least recently used first among ties
+        try:
+            yield slot
+        finally:
+            with self._free:
+                slot.busy = False
+                self._free.notify()
+
+    def run(self, slot: Slot, tokens: list[int], settings: GenerationSettings | None = None,
+            cancelled: Callable[[], bool] = lambda: False) -> Iterator[GenerationResponse]:
+        """Generate in `slot` in the calling thread, which takes part in the slots' batches meanwhile: consume the
+        responses without blocking (the other slots wait for this thread at each step). Stops at the next token
+        once `cancelled()` is true."""
+        slot.prompt_tokens, slot.generated_tokens, slot.drafts_kept = len(tokens), 0, 0
+        with self.lockstep.member():
+            stream = slot.engine.stream(tokens, settings)
+            try:
+                for r in stream:
+                    slot.generated_tokens += r.token is not None
+                    slot.drafts_kept += r.from_draft
+                    yield r
+                    if r.finish_reason is not None or cancelled():
+                        break
+            finally:
+                stream.close()
+
+    def stream_many(self, prompts: Iterable[Prompt], settings: GenerationSettings | None = None,
+                    ) -> Iterator[tuple[int, GenerationResponse | Exception]]:
+        """Generate every prompt, up to `parallel` at once; yield (its index, a response) as each token comes,
+        and each generation's last response (finish_reason set) once; a prompt that fails yields (index, the
+        error) and the others go on. Closing the iterator stops them all at their next token."""
+        events: queue.Queue = queue.Queue()  # unbounded: a slot never waits for the consumer
+        stop = threading.Event()
+        todo = queue.Queue()
+        for item in enumerate(prompts):
+            todo.put(item)
+        n = todo.qsize()
+
+        def worker() -> None:
+            while not stop.is_set():
+                try:
+                    i, prompt = todo.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    tokens = self.engine.encode(prompt, self.engine.n_ctx)
+                    with self.slot(tokens) as slot:
+                        for r in self.run(slot, tokens, settings, stop.is_set):
+                            events.put((i, r))
+                except Exception as e:  # this prompt's failure: reported, the others go on
+                    events.put((i, e))
+
+        threads = [threading.Thread(target=worker, name=f"ggufspec-slot-{k}", daemon=True)
+                   for k in range(min(self.parallel, n))]
+        for t in threads:
+            t.start()
+        done = 0
+        try:
+            while done < n:
+                i, r = events.get()
+                done += isinstance(r, Exception) or r.finish_reason is not None
+                yield i, r
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
+
+    def close(self) -> None:
+        """Free the shared contexts (after the generations end)."""
+        with self._free:
+            self._closed = True
+            self._free.notify_all()
+        # the last slot's reference would free each shared context: free them now rather than at collection
+        owners = [d._runner.owner for d in (self.engine.target, self.engine.draft) if d is not None and d._runner]
+        for s in self.slots:
+            s.engine.close()
+        for owner in owners:
+            owner.close()
+
+    def __enter__(self) -> EnginePool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
