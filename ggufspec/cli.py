@@ -308,10 +308,11 @@ _GENERATION_KEYS = ("target", "draft", "preset", "method", "max_tokens", "temp",
 _MODEL_KEYS = tuple(inspect.signature(decoder_options).parameters)
 
 
-def load_engine(params: dict, default_method: str | None = None, **settings_extra):
+def load_engine(params: dict, default_method: str | None = None, parallel: int | None = None, **settings_extra):
     """The engine and settings of generate's, chat's and serve's shared options (taken out of `params`): a preset
     resolved and fetched, the combination checked, the models loaded; default_method when none is given (None: the
-    engine's)."""
+    engine's). With `parallel`, an EnginePool of that many slots instead of one engine (-c is then the whole cache,
+    as llama-server's: each slot holds n_ctx // parallel tokens)."""
     from .engine import GenerationSettings, SpeculativeEngine
     from .sampling import SamplingParams
 
@@ -332,6 +333,10 @@ def load_engine(params: dict, default_method: str | None = None, **settings_extr
         method=method, draft_max=draft_max, draft_p_min=g["draft_p_min"], seed=g["seed"], stop=tuple(g["stop"]),
         medusa_tree=g["medusa_tree"], typical=g["typical"], **settings_extra,
     )
+    if parallel is not None:
+        from .pool import EnginePool
+
+        return EnginePool.load(target, draft, options, settings, medusa_path, medusa_vocab, parallel=parallel), settings
     engine = SpeculativeEngine.load(target, draft, options, settings, medusa_path=medusa_path, medusa_vocab=medusa_vocab)
     return engine, settings
 
