@@ -193,6 +193,8 @@ class SpeculativeEngine:
         With `n_ctx`, a prompt that cannot leave room for one token in that context raises ContextLengthError before
         the expensive steps where its size proves it (too many messages, too many bytes), else after tokenizing. A
         chat rendering polls `cancelled` and raises errors.Cancelled when it turns true."""
+        if self._closed:  # the vocabulary lives in the freed model
+            raise GGUFSpecError("this engine is closed.")
         vocab = self.target.vocab
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             bad = [t for t in prompt if not 0 <= t < self.target.n_vocab]

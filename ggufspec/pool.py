@@ -21,6 +21,11 @@ from .errors import GGUFSpecError
 from .lockstep import Lockstep
 
 MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ: the sequences of all slots together
+# Slots share one cache, where a slot's cells may sit in another order than alone (another's rollback frees cells
+# below its own). llama.cpp's CPU attention adds cells up in cache order, and it accumulates an f16 V cache in f16:
+# there the order moved SmolLM2's logits by up to 0.5; with q8_0 V it accumulates in f32 and moved them by at most
+# 0.02 (docs/exactness.md). So several slots on CPU default to a q8_0 V cache.
+SHARED_V_TYPE = "q8_0"
 
 
 @dataclass
@@ -54,6 +59,10 @@ class EnginePool:
         if parallel < 1:
             raise GGUFSpecError(f"--parallel must be >= 1, got {parallel}")
         settings = settings or GenerationSettings()
+        if parallel > 1 and options is not None and options.needs_v_choice:
+            options = replace(options, cpu_v_type=SHARED_V_TYPE)
+        elif parallel > 1 and options is None:
+            options = DecoderOptions(cpu_v_type=SHARED_V_TYPE)
         options = SpeculativeEngine.check_files(target_path, draft_path, options, medusa_path, medusa_vocab)
         target_options = SpeculativeEngine.target_options(options, draft_path)
         if parallel * target_options.n_seq_max > MAX_SEQUENCES:

@@ -1,0 +1,160 @@
+"""Many generations at once (EnginePool): each request's text is the text it gets alone, whatever joins, leaves or
+shares its batches."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from conftest import FixedCosts
+from ggufspec.decoder import DecoderOptions, LlamaCppDecoder
+from ggufspec.engine import GenerationSettings, SpeculativeEngine
+from ggufspec.errors import GGUFSpecError
+from ggufspec.lockstep import Lockstep
+from ggufspec.pool import SHARED_V_TYPE, EnginePool
+from ggufspec.sampling import SamplingParams
+from test_equivalence import NEAR_TIE, PROMPTS, assert_same_or_near_tie
+
+COSTS = FixedCosts(verify=[1.0, 1.1, 1.2, 1.3, 1.4, 1.5], draft=0.05)  # drafting pays: every method drafts
+METHODS = ["autoregressive", "vanilla", "lookup", "auto"]
+# Each slot's cells sit among the other slots' in the shared cache; where another's rollback freed cells below its
+# own, llama.cpp's attention adds its cells up in another order than alone (pool.SHARED_V_TYPE, docs/exactness.md),
+# so an argmax may flip where the top two logits nearly tie: on the f32 tiny models ~1e-6 apart
+SHARED_GAP = 1e-3
+
+
+def _jobs(n: int) -> list[tuple[str, GenerationSettings]]:
+    """n requests of mixed prompts, methods and lengths."""
+    return [(PROMPTS[i % len(PROMPTS)], GenerationSettings(max_tokens=8 + 7 * (i % 4), method=METHODS[i % len(METHODS)],
+                                                           draft_max=2 + i % 3)) for i in range(n)]
+
+
+def _alone(target, draft, jobs) -> list[list[int]]:
+    """Each job on an engine of its own, with the cache types a pool of several slots uses."""
+    with SpeculativeEngine.load(target, draft, DecoderOptions(n_ctx=512, cpu_v_type=SHARED_V_TYPE),
+                                costs=COSTS) as engine:
+        return [engine.generate(p, s).tokens for p, s in jobs]
+
+
+def _together(pool: EnginePool, jobs, cancel: dict[int, int] | None = None) -> dict[int, list[int]]:
+    """Each job in a thread of its own, all at once; job i stops after cancel[i] tokens (a client leaving)."""
+    out: dict[int, list[int]] = {}
+    cancel = cancel or {}
+
+    def run(i: int) -> None:
+        prompt, s = jobs[i]
+        tokens = pool.engine.encode(prompt)
+        got: list[int] = []
+        with pool.slot(tokens) as slot:
+            for r in pool.run(slot, tokens, s, cancelled=lambda: len(got) >= cancel.get(i, 1 << 30)):
+                if r.token is not None:
+                    got.append(r.token)
+        out[i] = got
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a generation hung"
+    return out
+
+
+@pytest.mark.parametrize("parallel", [1, 2, 3, 8])
+def test_greedy_requests_together_equal_each_alone(tiny_target, tiny_draft, parallel) -> None:
+    jobs = _jobs(10)  # more than the slots: later requests join as slots free
+    want = _alone(tiny_target, tiny_draft, jobs)
+    with EnginePool.load(tiny_target, tiny_draft, DecoderOptions(n_ctx=512 * parallel), costs=COSTS,
+                         parallel=parallel) as pool:
+        got = _together(pool, jobs)
+        assert pool.lockstep.n_ticks > 0
+    for i, (prompt, _) in enumerate(jobs):
+        assert_same_or_near_tie(tiny_target, prompt, want[i], got[i], max(NEAR_TIE["f32"], SHARED_GAP))
+
+
+def test_cancelled_requests_free_their_slots_and_leave_the_others_unchanged(tiny_target, tiny_draft) -> None:
+    jobs = _jobs(8)
+    want = _alone(tiny_target, tiny_draft, jobs)
+    cancel = {1: 2, 4: 0, 6: 5}
+    with EnginePool.load(tiny_target, tiny_draft, DecoderOptions(n_ctx=2048), costs=COSTS, parallel=4) as pool:
+        got = _together(pool, jobs, cancel)
+        assert not any(s.busy for s in pool.slots)
+    for i, (prompt, _) in enumerate(jobs):
+        if i in cancel:
+            assert got[i] == want[i][: len(got[i])] and len(got[i]) <= cancel[i] + 4  # the step in flight ends it
+        else:
+            assert_same_or_near_tie(tiny_target, prompt, want[i], got[i], SHARED_GAP)
+
+
+def test_seeded_sampling_together_equals_alone(tiny_target, tiny_draft) -> None:
+    sampling = SamplingParams(temperature=0.9)
+    jobs = [(PROMPTS[i], GenerationSettings(max_tokens=16, method=METHODS[i % 4], sampling=sampling, seed=100 + i))
+            for i in range(6)]
+    want = _alone(tiny_target, tiny_draft, jobs)
+    with EnginePool.load(tiny_target, tiny_draft, DecoderOptions(n_ctx=1536), costs=COSTS, parallel=3) as pool:
+        got = _together(pool, jobs)
+    same = sum(got[i] == want[i] for i in range(len(jobs)))
+    # a flipped near-tie changes a draw's probabilities by ~1e-6: the same uniform draws pick the same tokens
+    assert same == len(jobs), f"{len(jobs) - same} seeded requests differ from their runs alone"
+
+
+def test_smollm2_requests_together_equal_each_alone(smollm2_path) -> None:
+    jobs = [(p, GenerationSettings(max_tokens=24, method=m)) for p in PROMPTS[:4] for m in ("autoregressive", "lookup")]
+    want = _alone(smollm2_path, None, jobs)
+    with EnginePool.load(smollm2_path, None, DecoderOptions(n_ctx=2048), costs=COSTS, parallel=4) as pool:
+        got = _together(pool, jobs)
+    for i, (prompt, _) in enumerate(jobs):
+        assert_same_or_near_tie(smollm2_path, prompt, want[i], got[i], NEAR_TIE["quantized"])
+
+
+def test_a_long_prompt_joining_does_not_stall_the_others(tiny_target) -> None:
+    """Its prompt is decoded in chunks, each in one batch with the others' steps: they keep producing tokens."""
+    long_prompt = " ".join(f"word{i}" for i in range(150))  # about 650 tokens
+    with EnginePool.load(tiny_target, None, DecoderOptions(n_ctx=4096), costs=COSTS, parallel=2) as pool:
+        times: dict[str, list[float]] = {"short": [], "long": []}
+        started = threading.Event()
+
+        def run(name: str, prompt: str, n: int) -> None:
+            tokens = pool.engine.encode(prompt)
+            with pool.slot(tokens) as slot:
+                if name == "long":
+                    times["long"].append(time.perf_counter())  # joined: its prefill starts
+                for r in pool.run(slot, tokens, GenerationSettings(max_tokens=n, method="autoregressive")):
+                    if r.token is not None:
+                        times[name].append(time.perf_counter())
+                        if name == "short" and len(times["short"]) == 3:
+                            started.set()
+
+        short = threading.Thread(target=run, args=("short", PROMPTS[0], 200))
+        short.start()
+        started.wait(30)
+        long = threading.Thread(target=run, args=("long", long_prompt, 2))
+        long.start()
+        long.join(60)
+        short.join(60)
+        n_chunks = -(-len(pool.engine.encode(long_prompt)) // 128)
+    with pytest.raises(GGUFSpecError, match="closed"):
+        pool.engine.encode(long_prompt)
+    joined, first = times["long"][0], times["long"][1]
+    during = [t for t in times["short"] if joined < t < first]
+    assert len(during) >= n_chunks - 1, f"the short request got {len(during)} tokens during a {n_chunks}-chunk prefill"
+
+
+def test_slots_refuse_what_a_shared_context_cannot_do(tiny_target) -> None:
+    lockstep = Lockstep()
+    a, b = LlamaCppDecoder.slots(tiny_target, DecoderOptions(n_ctx=512, n_seq_max=2), 2, lockstep)
+    assert (a.n_ctx, b.n_ctx) == (256, 256)
+    with pytest.raises(GGUFSpecError, match="context of its own"):
+        a.decode_sequences([1], [0], [0])
+    a.sync(list(range(10, 30)))
+    b.sync(list(range(40, 50)))
+    assert a.kv_positions() == (0, 19) and b.kv_positions() == (0, 9)
+    a.reset()  # one slot's reset leaves the other's cache
+    assert a.kv_positions() == (-1, -1) and b.kv_positions() == (0, 9)
+    with pytest.raises(Exception, match="do not fit"):
+        a.feed(list(range(300)))
+    with pytest.raises(GGUFSpecError, match="KV sequences"):
+        EnginePool.load(tiny_target, None, DecoderOptions(n_ctx=512, n_seq_max=64), parallel=5)
