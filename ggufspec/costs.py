@@ -109,6 +109,41 @@ class CostModel:
             self.draft += (1 - (1 - weight) ** draft_decodes) * (draft_s / draft_decodes - self.draft)
 
 
+class SharedBatch(CostModel):
+    """A slot's prices while `others` tokens of other slots ride in the same target batch (EnginePool): the rule that
+    prices speculation per batch (docs/methods.md). A step with k drafts makes the whole batch cost
+    batch_seconds(others + 1 + k) and commits the others' tokens plus this slot's expected ones; the others are
+    counted as committing one token per token they add (a plain step's; drafting slots commit fewer, so this
+    under-prices drafting, never over-prices it). So drafting is chosen only where it raises the whole batch's
+    tokens per second: with one busy slot it is the base model's choice; with many, on a CPU where a batch's cost
+    grows with its size, drafts shrink to what still pays, and never below plain continuous batching.
+
+    Learning (observe) goes to the base model, with the whole batch's size and seconds."""
+
+    def __init__(self, base: CostModel, others: int) -> None:  # no dataclass fields of its own: a view of `base`
+        self.base, self.others = base, others
+
+    verify = property(lambda self: self.base.verify)
+    draft = property(lambda self: self.base.draft)
+    long_sizes = property(lambda self: self.base.long_sizes)
+    long_verify = property(lambda self: self.base.long_verify)
+
+    def batch_seconds(self, n: int) -> float:
+        return self.base.batch_seconds(n)
+
+    def step_seconds(self, k: int, free: bool = False) -> float:
+        return k * (0.0 if free else self.draft) + self.base.batch_seconds(self.others + k + 1)
+
+    def expected_rate(self, k: int, acceptance: float | Sequence[float], free: bool = False) -> float:
+        return (self.others + self.expected_tokens(k, acceptance)) / self.step_seconds(k, free)
+
+    def observe(self, *args, **kwargs) -> None:
+        self.base.observe(*args, **kwargs)
+
+    def copy(self) -> CostModel:
+        return self.base.copy()
+
+
 class ContextCosts:
     """A CostModel per context size (up to CONTEXT_SIZE cached tokens, up to twice that, ...), each
     learning from the steps taken at its size: a batch attends to the whole context, so what a long

@@ -38,6 +38,7 @@ class Decoder(Protocol):
     decode_seconds: float
     n_decodes: int
     n_decoded_tokens: int
+    n_batched_tokens: int  # tokens of the whole batches those decodes ran in (other slots' too, in a shared context)
 
     def feed(self, tokens: Sequence[int], all_logits: bool = True, view: bool = False) -> np.ndarray:
         """Decode `tokens` after the history in one pass; logits of every position (or the last), (n, V).
@@ -268,6 +269,7 @@ class LlamaCppDecoder:
         self.decode_seconds = 0.0
         self.n_decodes = 0
         self.n_decoded_tokens = 0
+        self.n_batched_tokens = 0
         self._n_out = 0  # rows of hidden states the last decode computed
         self._hidden_on = opts.embeddings
         self._abort_on = False  # llama_log.abort_check installed: see ABORTABLE_BATCH
@@ -312,7 +314,8 @@ class LlamaCppDecoder:
         view._seq, view._span, view._lockstep, view._runner, view._sub, view._owner = (
             seq, options.n_seq_max, lockstep, runner, None, False)
         view.history, view._deferred, view._tree, view._tree_pre = [], [], None, []
-        view.shift_keep, view.n_shifts, view.decode_seconds, view.n_decodes, view.n_decoded_tokens = None, 0, 0.0, 0, 0
+        view.shift_keep, view.n_shifts, view.decode_seconds, view.n_decodes = None, 0, 0.0, 0
+        view.n_decoded_tokens = view.n_batched_tokens = 0
         view._n_out = view._skip = 0
         view._unrecorded = False
         return view
@@ -337,6 +340,7 @@ class LlamaCppDecoder:
             self.decode_seconds += sub.seconds
             self.n_decodes += 1
             self.n_decoded_tokens += len(tokens)
+            self.n_batched_tokens += sub.batch
         self._sub = sub
         return sub.rc
 
@@ -422,6 +426,7 @@ class LlamaCppDecoder:
             self.decode_seconds += time.perf_counter() - t0
             self.n_decodes += 1
             self.n_decoded_tokens += n_tokens
+            self.n_batched_tokens += n_tokens
         return rc
 
     def _logits(self, n_rows: int, view: bool = False) -> np.ndarray:

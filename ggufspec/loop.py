@@ -43,8 +43,10 @@ def generate_steps(
 
 
 def _timing(verdict: Verdict, after: Counters | None, before: Counters | None) -> Timing:
-    """What a step cost: the verifier's pass, and the proposer's work between its counters before and after."""
+    """What a step cost: the verifier's pass (the whole batch it rode in: its seconds are that batch's), and the
+    proposer's work between its counters before and after."""
+    batch = max(verdict.shared, verdict.batch)
     if after is None or before is None:
-        return Timing(verdict.seconds, verdict.batch)
-    return Timing(verdict.seconds, verdict.batch, after.seconds - before.seconds, after.decodes - before.decodes,
+        return Timing(verdict.seconds, batch)
+    return Timing(verdict.seconds, batch, after.seconds - before.seconds, after.decodes - before.decodes,
                   after.decoded - before.decoded)

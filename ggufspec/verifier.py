@@ -32,6 +32,12 @@ class Verdict:
     batch: int  # tokens the target decoded: the draft, its root, and deferred tokens riding in front
     deferred: int  # committed tokens left out of the KV cache: the next pass decodes them in front of its batch
     hidden: np.ndarray | None = None  # (H,) with hidden states on: the target's state at the row that picked tokens[-1]
+    shared: int = 0  # tokens of the whole batches `seconds` timed: `batch`, plus other slots' in a shared context
+
+    @property
+    def others(self) -> int:
+        """Other slots' tokens that rode in this pass's batch (0 on a context of its own)."""
+        return max(self.shared - self.batch, 0)
 
     @property
     def kept(self) -> int:
@@ -116,7 +122,7 @@ class Verifier:
     def verify(self, last: int, draft: Draft) -> Verdict:
         """One target pass over `last` and the draft: the tokens the target commits."""
         t = self.target
-        seconds, decoded = t.decode_seconds, t.n_decoded_tokens
+        seconds, decoded, batched = t.decode_seconds, t.n_decoded_tokens, t.n_batched_tokens
         if draft.tree is None:
             tokens = self._chain(last, draft)
             row = len(tokens) - 1  # the cache keeps all but the last committed token; the last's row
@@ -134,7 +140,7 @@ class Verifier:
         if draft.tree is not None:
             self.deferred = t.commit_tree_path(path)
         return Verdict(tokens, draft.depth, t.decode_seconds - seconds, t.n_decoded_tokens - decoded, self.deferred,
-                       hidden)
+                       hidden, t.n_batched_tokens - batched)
 
     def _chain(self, last: int, draft: Draft) -> list[int]:
         t, params, drafts = self.target, self.params, draft.tokens

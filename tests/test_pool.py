@@ -91,7 +91,9 @@ def test_cancelled_requests_free_their_slots_and_leave_the_others_unchanged(tiny
 
 def test_seeded_sampling_together_equals_alone(tiny_target, tiny_draft) -> None:
     sampling = SamplingParams(temperature=0.9)
-    jobs = [(PROMPTS[i], GenerationSettings(max_tokens=16, method=METHODS[i % 4], sampling=sampling, seed=100 + i))
+    # auto is left out: what it drafts depends on what shares its batches (priced per batch), and a sampled run's
+    # draws follow what it drafts (exact in distribution, not draw for draw)
+    jobs = [(PROMPTS[i], GenerationSettings(max_tokens=16, method=METHODS[i % 3], sampling=sampling, seed=100 + i))
             for i in range(6)]
     want = _alone(tiny_target, tiny_draft, jobs)
     with EnginePool.load(tiny_target, tiny_draft, DecoderOptions(n_ctx=1536), costs=COSTS, parallel=3) as pool:

@@ -3,7 +3,7 @@ steps, each chosen where the measured cost model expects it to commit the most t
 
 from __future__ import annotations
 
-from ..costs import ContextCosts, CostModel
+from ..costs import ContextCosts, CostModel, SharedBatch
 from ..decoder import common_prefix
 from ..proposers import Context, Draft, Proposer
 from ..proposers.lookup import LONG_MATCH
@@ -40,6 +40,7 @@ class AutoPolicy:
         self._records = tuple(r for r in (self.lookup_length, self.phrase_length, self.copy_length, self.model_length)
                               if r is not None)
         self.lookup = self.model = None  # this generation's proposers, consulted while planning
+        self.others = 0  # other slots' tokens in the last target batch (EnginePool): steps are priced per batch
 
     @property
     def k_cap(self) -> int:
@@ -52,9 +53,13 @@ class AutoPolicy:
         return self.context_costs.base
 
     def price_at(self, n_ctx: int) -> None:
-        """Price the next steps at the costs learned for a context of n_ctx tokens."""
+        """Price the next steps at the costs learned for a context of n_ctx tokens, in a batch shared with as many
+        other slots' tokens as the last one had."""
+        costs = self.context_costs.at(n_ctx)
+        if self.others:
+            costs = SharedBatch(costs, self.others)
         for length in self._records:
-            length.costs = self.context_costs.at(n_ctx)
+            length.costs = costs
 
     def begin(self, prompt: list[int], proposers: dict[str, Proposer]) -> set[str]:
         """Every record's acceptance halfway back to its prior; the draft model decodes the prompt only where it is
@@ -66,6 +71,7 @@ class AutoPolicy:
             length.restart()
         self._unverified.clear()
         self.source = self._proposed = None
+        self.others = 0
         return {"draft"} if self.model is not None and self.uses_model(len(prompt) + 1) else set()
 
     def uses_model(self, n_ctx: int | None = None) -> bool:
@@ -118,6 +124,7 @@ class AutoPolicy:
         return PLAIN
 
     def observe(self, plan: Plan, draft: Draft, verdict: Verdict, timing: Timing | None) -> None:
+        self.others = verdict.others
         drafted = kept = 0
         if plan.source in ("lookup", "draft"):
             drafted, kept = len(draft.tokens), verdict.kept
