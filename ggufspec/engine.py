@@ -25,7 +25,7 @@ from .loop import generate_steps
 from .methods import METHODS, Method, get_method
 from .policy import Policy, TreeSizer
 from .policy.auto import AutoPolicy
-from .proposers import PROPOSERS, Proposer, Setup
+from .proposers import PROPOSERS, AnswerPool, Proposer, Setup
 from .pairing import check_pair
 from .sampling import SamplingParams
 from .stats import Stats
@@ -112,6 +112,7 @@ class SpeculativeEngine:
         self.costs = costs  # the cost model `auto` prices steps with: measured at its first run when None
         self._auto: dict[bool, AutoPolicy] = {}  # with and without a draft model, kept across generations
         self._sizers: dict[tuple, TreeSizer] = {}  # Medusa's, per tree
+        self.answers: AnswerPool | None = AnswerPool()  # what it generated, for `auto`'s lookup (EnginePool: shared)
         self._lock = threading.Lock()
         self._closed = False
 
@@ -281,6 +282,8 @@ class SpeculativeEngine:
         finally:
             if not finished:  # stopped early: by the caller, Ctrl-C or an error
                 self.last_result = GenerationResult(text.text, out, "interrupted", meter.finish(len(out)))
+            if self.answers is not None:
+                self.answers.add(out)
 
     def _n_ctx(self, draft: LlamaCppDecoder | None) -> int:
         return min(self.target.n_ctx, draft.n_ctx) if draft is not None else self.target.n_ctx
@@ -301,7 +304,8 @@ class SpeculativeEngine:
         rng = np.random.default_rng(s.seed)
         tree = self.medusa_tree(s) if "medusa" in sources else None
         leaves = self.target.options.n_seq_max - 1 if method.draft_trees else 0
-        setup = Setup(self.target, s.sampling, rng, draft, s.draft_p_min, leaves, self.medusa, tree)
+        setup = Setup(self.target, s.sampling, rng, draft, s.draft_p_min, leaves, self.medusa, tree,
+                      self.answers if method.answers else None)
         proposers = {name: PROPOSERS[name].build(setup) for name in sources}
         policy = method.policy(self, s, sources, tree)
         return Verifier(self.target, s.sampling, rng, hidden=tree is not None, typical=s.typical), proposers, policy

@@ -29,6 +29,7 @@ class Method:
     policy: Callable[[Any, Any, tuple[str, ...], Tree | None], Policy]
     needs: str | None = None  # "draft" or "heads": refuses to run without it
     draft_trees: bool = False  # the draft model proposes trees where the target holds their sequences
+    answers: bool = False  # lookup continues earlier answers too (engine.answers) where its policy prices them
 
     def sources(self, has_draft: bool, has_heads: bool) -> tuple[str, ...]:
         """The proposers this method drafts from with these models loaded."""
@@ -60,7 +61,8 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("vanilla", "draft model chains of --draft-max tokens", ("draft",), _fixed, needs="draft"),
     Method("lookup", "n-grams of the text so far", ("lookup",), _fixed),
     Method("auto", "lookup, then the draft model (chains or trees) or else --medusa heads (a tree); sizes from a "
-           "measured cost model; off when it cannot pay", ("lookup", "draft", "medusa"), _auto, draft_trees=True),
+           "measured cost model; off when it cannot pay", ("lookup", "draft", "medusa"), _auto, draft_trees=True,
+           answers=True),
     Method("medusa", "--medusa heads propose a token tree, verified in one target pass", ("medusa",), _medusa,
            needs="heads"),
 )}

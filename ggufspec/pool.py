@@ -19,6 +19,7 @@ from .decoder import DecoderOptions, LlamaCppDecoder, common_prefix
 from .engine import DRAFT_TREE_SEQUENCES, GenerationResponse, GenerationSettings, Prompt, SpeculativeEngine
 from .errors import GGUFSpecError
 from .lockstep import Lockstep
+from .proposers import AnswerPool
 
 MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ: the sequences of all slots together
 # Slots share one cache, where a slot's cells may sit in another order than alone (another's rollback frees cells
@@ -72,8 +73,10 @@ class EnginePool:
         targets = LlamaCppDecoder.slots(target_path, target_options, parallel, lockstep)
         drafts = LlamaCppDecoder.slots(draft_path, options, parallel, lockstep) if draft_path else [None] * parallel
         engines = [SpeculativeEngine(t, d, settings, costs) for t, d in zip(targets, drafts)]
+        answers = AnswerPool()  # one for every slot: an answer in one slot drafts for the next request in any
         for e in engines:
             e.load_heads(medusa_path, medusa_vocab)
+            e.answers = answers
         if costs is None:  # measured by one slot alone, now: later, the other slots' batches would ride along
             costs = cached_measure(targets[0], drafts[0], settings.draft_max)
             for e in engines:

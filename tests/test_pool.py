@@ -15,6 +15,7 @@ from ggufspec.engine import GenerationSettings, SpeculativeEngine
 from ggufspec.errors import GGUFSpecError
 from ggufspec.lockstep import Lockstep
 from ggufspec.pool import SHARED_V_TYPE, EnginePool
+from ggufspec.proposers.lookup import AnswerPool, LookupProposer
 from ggufspec.sampling import SamplingParams
 from test_equivalence import NEAR_TIE, PROMPTS, assert_same_or_near_tie
 
@@ -162,3 +163,34 @@ def test_slots_refuse_what_a_shared_context_cannot_do(tiny_target) -> None:
         a.feed(list(range(300)))
     with pytest.raises(GGUFSpecError, match="KV sequences"):
         EnginePool.load(tiny_target, None, DecoderOptions(n_ctx=512, n_seq_max=64), parallel=5)
+
+
+def test_answer_pool_is_bounded_and_keeps_answers_apart() -> None:
+    pool = AnswerPool(max_tokens=10)
+    pool.add([1, 2, 3, 4])
+    pool.add([5])  # too short to continue anything
+    pool.add([1, 2, 9, 9, 9])
+    assert pool.tokens.tolist() == [1, 2, 3, 4, -1, 1, 2, 9, 9, 9]  # the oldest tokens went
+    pool.add([7, 7, 7, 7])
+    assert pool.tokens.tolist() == [1, 2, 9, 9, 9, -1, 7, 7, 7, 7]
+    lookup = LookupProposer(100, answers=pool)
+    assert lookup.find([50, 51, 2, 9], 5) == [9, 9]  # the answer's continuation, cut at its end
+    assert lookup.find([8, 3, 4], 3) == []  # no earlier answer holds 3, 4 any more
+    pool.add([3, 4, 42, 43])
+    assert lookup.find([8, 3, 4], 3) == [42, 43]  # up to the answer's end, never into the next
+    assert lookup.find([3, 4, 5, 3, 4], 2) == [5, 3]  # the text's own match comes first
+
+
+def test_auto_continues_earlier_answers_and_keeps_the_text(smollm2_path) -> None:
+    costs = FixedCosts(verify=[1.0, 1.02, 1.04, 1.06, 1.08], draft=1.0)  # lookup pays at any acceptance; the model not
+    s = GenerationSettings(max_tokens=40, method="auto")
+    with SpeculativeEngine.load(smollm2_path, None, DecoderOptions(n_ctx=1024), costs=costs) as engine:
+        first = engine.generate("Write a haiku about autumn leaves.", s)
+        engine.answers = AnswerPool()  # forget it: the same request alone
+        alone = engine.generate("Write a poem about autumn leaves, in three lines.", s)
+        engine.reset()
+        engine.answers.add(first.tokens)
+        engine.answers.add(alone.tokens)
+        again = engine.generate("Write a poem about autumn leaves, in three lines.", s)
+    assert again.tokens == alone.tokens
+    assert again.stats.accepted > alone.stats.accepted + 10, (alone.stats.accepted, again.stats.accepted)

@@ -94,6 +94,7 @@ class Setup:
     tree_leaves: int = 0  # draft trees of up to this many leaves (the target holds one sequence more); <= 1: chains
     heads: Heads | None = None
     tree: Tree | None = None  # Medusa's static tree, cut to the heads' depth
+    answers: AnswerPool | None = None  # earlier answers lookup may continue (auto's: it prices their guesses)
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,7 @@ class Source:
 
 
 def _lookup(s: Setup) -> Proposer:
-    return LookupProposer(s.target.n_vocab)
+    return LookupProposer(s.target.n_vocab, answers=s.answers)
 
 
 def _draft_model(s: Setup) -> Proposer:
@@ -121,7 +122,7 @@ def _medusa(s: Setup) -> Proposer:
 
 # at the end: the proposer modules import Draft and Counters from here
 from .draft_model import DraftModelProposer  # noqa: E402
-from .lookup import LookupProposer  # noqa: E402
+from .lookup import AnswerPool, LookupProposer  # noqa: E402
 from .medusa import MedusaProposer  # noqa: E402
 
 PROPOSERS: dict[str, Source] = {

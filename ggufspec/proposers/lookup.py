@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -13,13 +14,42 @@ from . import NO_DRAFT, Context, Counters, Draft
 LONG_MATCH = 16
 
 
+ANSWERS_MAX = 1 << 16  # tokens an AnswerPool keeps by default (512 KiB): a few hundred answers
+
+
+class AnswerPool:
+    """Answers generated earlier, in any slot and across requests, for lookup to continue where the text itself
+    has no match (as llama.cpp's ngram-mod keeps one pool for all slots, and SuffixDecoding keeps past answers
+    for agents): code an agent writes again, JSON shapes, boilerplate. Bounded: the latest `max_tokens` tokens;
+    thread-safe (an answer is added by replacing the array, which readers never see change)."""
+
+    SEPARATOR = -1  # between answers: a guess never runs from one answer into the next
+
+    def __init__(self, max_tokens: int = ANSWERS_MAX) -> None:
+        if max_tokens < 2:
+            raise ValueError(f"max_tokens must be >= 2, got {max_tokens}")
+        self.max_tokens = max_tokens
+        self.tokens = np.zeros(0, dtype=np.int64)  # answers, oldest first, SEPARATOR before each
+        self._lock = threading.Lock()
+
+    def add(self, answer: list[int]) -> None:
+        """Keep `answer` (the oldest tokens go past max_tokens)."""
+        if len(answer) < 2:
+            return
+        with self._lock:
+            joined = np.concatenate([self.tokens, [self.SEPARATOR], np.asarray(answer, dtype=np.int64)])
+            self.tokens = joined[-self.max_tokens:]
+
+
 class LookupProposer:
-    """Guesses from the text itself: point-mass proposals, no model, no cost but the search."""
+    """Guesses from the text itself (and, given `answers`, from earlier answers where the text has no match):
+    point-mass proposals, no model, no cost but the search."""
 
     name = "lookup"
 
-    def __init__(self, n_vocab: int, ngram_max: int = 4, ngram_min: int = 2) -> None:
+    def __init__(self, n_vocab: int, ngram_max: int = 4, ngram_min: int = 2, answers: AnswerPool | None = None) -> None:
         self.n_vocab, self.ngram_max, self.ngram_min = n_vocab, ngram_max, ngram_min
+        self.answers = answers
         self.match = 0  # how many tokens before the guess the last find() matched (up to LONG_MATCH)
         self.counters = Counters()
         # the last find: (context, its length, k, guess, match)
@@ -60,6 +90,26 @@ class LookupProposer:
                 # it, as a lookup fed its own guess would (a loop shorter than k would otherwise cap the guess)
                 period = len(ctx) - start
                 return ctx[start + np.arange(k) % period].tolist()
+        return self._find_in_answers(ctx, k) if self.answers is not None else []
+
+    def _find_in_answers(self, ctx: np.ndarray, k: int) -> list[int]:
+        """The continuation, in earlier answers, of the longest (then latest) match of the context's tail."""
+        pool = self.answers.tokens  # one snapshot: another slot may add an answer meanwhile
+        ends = np.flatnonzero(pool[:-1] == ctx[-1])
+        for n in range(min(self.ngram_max, len(ctx)), self.ngram_min - 1, -1):
+            hits = ends[ends >= n - 1]
+            for j in range(1, n):
+                hits = hits[pool[hits - j] == ctx[-1 - j]]
+            if len(hits):
+                back = np.arange(min(LONG_MATCH, len(ctx)))
+                before = hits[:, None] - back
+                same = (before >= 0) & (pool[np.maximum(before, 0)] == ctx[len(ctx) - 1 - back])
+                lengths = np.where(same.all(axis=1), len(back), same.argmin(axis=1))
+                at = len(hits) - 1 - int(np.argmax(lengths[::-1]))
+                start, self.match = int(hits[at]) + 1, int(lengths[at])
+                guess = pool[start : start + k]
+                cut = np.flatnonzero(guess == AnswerPool.SEPARATOR)
+                return guess[: cut[0] if len(cut) else len(guess)].tolist()
         return []
 
     def begin(self, prompt: list[int], warm: bool) -> None:
