@@ -140,6 +140,17 @@ OPTIONS: tuple[Option, ...] = (
            per={"chat": dict(help="Print a stats line to stderr after every answer.")}),
     option("--json", "as_json", serves={"generate"}, is_flag=True,
            help="Print one JSON object (text, tokens, stats) instead of streaming."),
+    option("--batch", "batch_path", serves={"generate"}, type=click.Path(dir_okay=False), default=None,
+           metavar="FILE",
+           help="Generate every prompt of FILE, one a line: text, or JSON objects with `prompt`, `messages` or "
+                "`turns` (and an id: `custom_id`, `id`, `question_id`, `task_id`); results go to -o as JSON lines. "
+                "Resumable: a rerun keeps the prompts already done there."),
+    option("-o", "--output", serves={"generate"}, type=click.Path(dir_okay=False), default=None,
+           help="With --batch: the JSONL file each prompt's result is appended to as it finishes (id, index, text, "
+                "finish_reason, usage, timings; or error)."),
+    option("-np", "--parallel", serves={"generate"}, type=click.IntRange(min=1), default=1, show_default=True,
+           help="With --batch: prompts generated at once (slots; -c is then the whole cache, each slot holds "
+                "n_ctx / N tokens)."),
     option("--host", serves={"serve"}, default="127.0.0.1", show_default=True, help="Address to listen on."),
     option("--port", serves={"serve"}, type=click.IntRange(0, 65535), default=8080, show_default=True,
            help="Port (0: any free one)."),
@@ -150,7 +161,8 @@ OPTIONS: tuple[Option, ...] = (
     option("-a", "--alias", serves={"serve"}, default=None,
            help="Model name to report (default: the target's file name); any name a client sends is answered."),
     option("-np", "--parallel", serves={"serve"}, type=click.IntRange(min=1), default=1, show_default=True,
-           help="Requests decoded at once; this server runs one at a time (others wait in --queue), so only 1."),
+           help="Slots: requests decoded at once, batched together (others wait in --queue). -c is the whole KV "
+                "cache, split evenly: each slot holds n_ctx / N tokens, as in llama-server."),
     option("--max-body", serves={"serve"}, type=ByteSize(), default=None,
            help="Largest request body (413 past it), e.g. 4M (default: 1 MiB plus 64 bytes per token of --n-ctx)."),
     option("-to", "--timeout", serves={"serve"}, type=click.FloatRange(min=0.1), default=60.0, show_default=True,
@@ -352,14 +364,43 @@ def _medusa_vocab(value: str | None, medusa_path: str | None) -> int | str | Non
 @click.argument("prompt", required=False)
 @options_for("generate")
 def generate(prompt, prompt_option, prompt_file, chat, raw, system, truncate_prompt, context_shift, show_stats, as_json,
-             **params) -> None:
+             batch_path, output, parallel, **params) -> None:
     """Generate text from PROMPT (`-` reads standard input; or -p TEXT, -f FILE).
 
     A model with a chat template gets PROMPT as a user message in it (as llama-cli and mlx_lm.generate do);
-    --raw gives it the text as it is."""
+    --raw gives it the text as it is.
+
+    Batch jobs: --batch PROMPTS.jsonl -o OUT.jsonl [--parallel N] generates every prompt of a file, N at once,
+    each result a line of OUT.jsonl; run again after an interruption, it generates only what is missing."""
+    raw_conflict = "--raw gives the prompt as it is: it does not go with --chat or --system."
+    if batch_path is not None:
+        given = [name for name, v in (("a PROMPT", prompt), ("-p", prompt_option), ("-f", prompt_file)) if v is not None]
+        if given:
+            raise click.UsageError(f"--batch reads the prompts from {batch_path}: it does not go with {given[0]}.")
+        if as_json:
+            raise click.UsageError("--batch writes JSON lines to -o already: leave out --json.")
+        if raw and (chat or system is not None):
+            raise click.UsageError(raw_conflict)
+        if output is None:
+            raise click.UsageError("--batch needs -o OUT.jsonl, the file each prompt's result goes to (and a rerun "
+                                   "resumes from).")
+        from .batch_jobs import run_batch
+
+        code = run_batch(batch_path=batch_path, output=output, parallel=parallel, chat=chat, raw=raw, system=system,
+                         show_stats=show_stats, truncate_prompt=truncate_prompt, context_shift=context_shift,
+                         params=params, load_engine=load_engine)
+        if code:
+            sys.exit(code)
+        return
+    if output is not None:
+        raise click.UsageError("-o/--output is where --batch writes its results: give --batch PROMPTS.jsonl too "
+                               "(one prompt prints to stdout; --json gives it as JSON).")
+    if parallel != 1:
+        raise click.UsageError(f"--parallel {parallel} generates several prompts at once with --batch; one prompt "
+                               "runs in one slot.")
     prompt = _prompt_text(prompt, prompt_option, prompt_file)
     if raw and (chat or system is not None):
-        raise click.UsageError("--raw gives the prompt as it is: it does not go with --chat or --system.")
+        raise click.UsageError(raw_conflict)
     engine, _ = load_engine(params, truncate_prompt=truncate_prompt, context_shift=context_shift)
     try:
         templated = not raw and (chat or system is not None or engine.has_chat_template)
@@ -424,13 +465,11 @@ def chat(system, colour, show_stats, **params) -> None:
 @main.command()
 @options_for("serve")
 def serve(host, port, api_key, queue, alias, parallel, max_body, timeout, allowed_hosts, cors_origins, **params) -> None:
-    """An OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /health.
+    """An OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /health, /slots.
 
-    Each request may override sampling and speculation (`"speculative": {"method": "vanilla", "draft_max": 3}`).
-    Needs the server extra: pip install 'ggufspec[server]'."""
-    if parallel > 1:
-        raise click.UsageError(f"--parallel {parallel}: this server decodes one request at a time (others wait in "
-                               "--queue); run several servers on other ports to answer several at once.")
+    Up to --parallel requests generate at once (continuous batching: their decodes share llama.cpp batches), each
+    in a slot of n_ctx / N tokens. Each request may override sampling and speculation
+    (`"speculative": {"method": "vanilla", "draft_max": 3}`). Needs the server extra: pip install 'ggufspec[server]'."""
     try:
         from .server import Limits, serve as run_server
         from .server.boundary import default_max_body, default_max_connections
@@ -440,12 +479,13 @@ def serve(host, port, api_key, queue, alias, parallel, max_body, timeout, allowe
         raise GGUFSpecError(f"`ggufspec serve` needs the server extra ({e.name} is missing): "
                             "pip install 'ggufspec[server]'") from None
 
-    engine, settings = load_engine(params, default_method="auto")
-    with engine:
-        limits = Limits(max_body=max_body or default_max_body(engine.n_ctx), timeout=timeout,
+    pool, settings = load_engine(params, default_method="auto", parallel=parallel)  # --parallel 1: one slot
+    with pool:
+        engine = pool.engine  # slot 0's: n_ctx is a slot's, the longest prompt plus answer
+        limits = Limits(max_body=max_body or default_max_body(engine.n_ctx * pool.parallel), timeout=timeout,
                         max_connections=default_max_connections(), allowed_hosts=frozenset(allowed_hosts),
                         cors_origins=tuple(cors_origins))
-        run_server(engine, settings, alias or engine.target.path.name, host, port, queue, api_key, limits,
+        run_server(pool, settings, alias or engine.target.path.name, host, port, queue, api_key, limits,
                    lambda line: click.echo(line, err=True))
 
 

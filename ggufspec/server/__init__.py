@@ -1,9 +1,10 @@
-"""`ggufspec serve`: an OpenAI-compatible HTTP server (FastAPI, uvicorn), a thin layer over `SpeculativeEngine`.
+"""`ggufspec serve`: an OpenAI-compatible HTTP server (FastAPI, uvicorn), a thin layer over an `EnginePool` (N slots).
 
 - `api`: OpenAI's request and response shapes, and its error object.
 - `boundary`: what a connection and a request must satisfy before any work is done for them (hosts, origins,
   content types, sizes, deadlines, the cap on connections), and the 500 with a request id.
-- `worker`: the one thread that renders, tokenizes and generates each request in turn, with the queue.
+- `worker`: the threads (one per slot of the engine pool, `--parallel`) that render, tokenize and generate the
+  requests, up to one per slot at once, in arrival order, with the queue.
 - `app`: the endpoints.
 
 This module runs the whole: it listens, serves until SIGTERM or Ctrl-C, then cuts the generations in flight so that
@@ -26,6 +27,7 @@ from types import FrameType
 import uvicorn
 
 from ..engine import GenerationSettings, SpeculativeEngine
+from ..pool import EnginePool
 from ..errors import GGUFSpecError
 from .app import create_app
 from .boundary import BACKLOG, BoundedH11Protocol, Limits, log
@@ -37,10 +39,11 @@ _SIGNALS = (signal.SIGINT, signal.SIGTERM) + ((signal.SIGHUP,) if hasattr(signal
 __all__ = ["Limits", "create_app", "serve"]
 
 
-def serve(engine: SpeculativeEngine, settings: GenerationSettings, model_id: str, host: str, port: int, queue: int,
-          api_key: str | None, limits: Limits, announce: Callable[[str], None]) -> None:
-    """Run the server until SIGTERM / SIGHUP (return) or Ctrl-C (KeyboardInterrupt); then stop generation and
-    free the engine's worker."""
+def serve(engine: EnginePool | SpeculativeEngine, settings: GenerationSettings, model_id: str, host: str, port: int,
+          queue: int, api_key: str | None, limits: Limits, announce: Callable[[str], None]) -> None:
+    """Run the server on `engine`'s slots (a SpeculativeEngine alone: one slot) until SIGTERM / SIGHUP (return) or
+    Ctrl-C (KeyboardInterrupt); then stop generation and free the engine's worker threads (the caller closes the
+    engine)."""
     _log_to_stderr()
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -56,7 +59,9 @@ def serve(engine: SpeculativeEngine, settings: GenerationSettings, model_id: str
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", http=functools.partial(BoundedH11Protocol, limits=limits),
                             backlog=BACKLOG, timeout_keep_alive=5, timeout_graceful_shutdown=GRACEFUL_SECONDS)
     server = _Server(config, on_signal=worker.cut_all)
-    announce(f"ggufspec: serving {model_id} on http://{host}:{port}/v1 ({engine.describe(settings)}); Ctrl-C stops")
+    slots = f", {worker.parallel} slots of {worker.engine.n_ctx} tokens" if worker.parallel > 1 else ""
+    announce(f"ggufspec: serving {model_id} on http://{host}:{port}/v1 ({worker.engine.describe(settings)}{slots}); "
+             "Ctrl-C stops")
     try:
         asyncio.run(_run(server, sock))
     finally:

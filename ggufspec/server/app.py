@@ -29,8 +29,9 @@ from .worker import STALL_SECONDS, Admitted, Job, Worker
 
 def create_app(worker: Worker, settings: GenerationSettings, model_id: str, limits: Limits,
                api_key: str | None = None) -> Boundary:
-    """The ASGI app serving the worker's engine, behind the boundary (and CORS when origins are allowed);
-    `settings` are the defaults each request may override."""
+    """The ASGI app serving the worker's engine pool, behind the boundary (and CORS when origins are allowed);
+    `settings` are the defaults each request may override. `engine` is slot 0's, for what the slots share (n_ctx
+    is a slot's: the longest prompt plus answer)."""
     engine = worker.engine
     app = FastAPI(title="ggufspec", docs_url=None, redoc_url=None, openapi_url=None)
     created = int(time.time())
@@ -78,15 +79,17 @@ def create_app(worker: Worker, settings: GenerationSettings, model_id: str, limi
 
     @app.get("/slots", dependencies=[Depends(authorized)])
     async def slots() -> list[dict[str, Any]]:
-        """The one engine's state, after llama-server's /slots; plus the queue and what became of past requests."""
-        return [{"id": 0, "is_processing": worker.running is not None, "state": worker.phase,
-                 "n_decoded": worker.n_decoded, "n_queued": max(0, worker.active - (worker.running is not None)),
-                 "n_completed": worker.n_completed, "n_cancelled": worker.n_cancelled}]
+        """One entry per slot (--parallel), after llama-server's /slots: id, n_ctx, is_processing, state (idle,
+        prompt: rendering and tokenizing, generating), the tokens of its current or last request (n_prompt_tokens,
+        n_decoded, n_drafts_kept); and in each, the server's queue and what became of past requests."""
+        shared = {"n_queued": worker.n_queued, "n_completed": worker.n_completed, "n_cancelled": worker.n_cancelled}
+        return [{**entry, **shared} for entry in worker.slots()]
 
     @v1.get("/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created, "owned_by": "ggufspec",
                                             "meta": {"target": str(engine.target.path), "n_ctx": engine.n_ctx,
+                                                     "parallel": worker.parallel,
                                                      "draft": str(engine.draft.path) if engine.draft else None,
                                                      "medusa": engine.medusa is not None}}]}
 

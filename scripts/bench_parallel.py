@@ -1,0 +1,151 @@
+"""Aggregate throughput of an OpenAI-compatible server under 1..N concurrent clients (issue 40's benchmark).
+
+Starts each server command given (with {port} in it) on 127.0.0.1, waits for /health, then for each client count
+sends `--requests-per-client` streamed /v1/completions per client (HumanEval dev and Spec-Bench dev first turns,
+alternating, the same prompt order for every server), and prints one JSON line per (server, clients): aggregate
+generated tok/s, p50/p95 time to first token, median per-request tok/s, and the texts (to check that every
+server gives the same greedy text). Servers run one after another, client counts alternate across rounds.
+
+    python scripts/bench_parallel.py --clients 1,2,4,8 --rounds 1 -n 128 \\
+        --server "ggufspec-auto=python -m ggufspec.cli serve -m T.gguf -md D.gguf --port {port} -np 8" \\
+        --server "llama-server=/tmp/llama-server -m T.gguf --port {port} -np 8"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import socket
+import statistics
+import subprocess
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "shared" / "bench"
+
+
+def prompts(n: int) -> list[str]:
+    """n prompts, HumanEval and Spec-Bench first turns alternating (file order)."""
+    code = [json.loads(x)["prompt"] for x in (BENCH / "humaneval_dev.jsonl").read_text().splitlines() if x.strip()]
+    chat = [json.loads(x)["turns"][0] for x in (BENCH / "spec_bench_dev.jsonl").read_text().splitlines() if x.strip()]
+    mixed = [p for pair in zip(code, chat) for p in pair]
+    return [mixed[i % len(mixed)] for i in range(n)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 600) -> None:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("the server did not become healthy")
+
+
+def one_request(port: int, prompt: str, max_tokens: int, temperature: float, seed: int) -> dict:
+    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "seed": seed,
+                       "stream": True, "stream_options": {"include_usage": True}}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                 {"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    first, text, chunks, usage = None, [], 0, None
+    with urllib.request.urlopen(req, timeout=1800) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[5:])
+            if event.get("usage"):
+                usage = event["usage"]
+            for choice in event.get("choices", []):
+                piece = choice.get("text") or ""
+                if piece:
+                    first = first or time.perf_counter()
+                    text.append(piece)
+                    chunks += 1
+    end = time.perf_counter()
+    tokens = usage["completion_tokens"] if usage else chunks
+    return {"ttft": (first or end) - t0, "seconds": end - t0, "tokens": tokens, "text": "".join(text)}
+
+
+def run_clients(port: int, clients: int, per_client: int, max_tokens: int, temperature: float) -> dict:
+    work = list(enumerate(prompts(clients * per_client)))
+    results: dict[int, dict] = {}
+    lock = threading.Lock()
+
+    def client() -> None:
+        while True:
+            with lock:
+                if not work:
+                    return
+                i, prompt = work.pop(0)
+            results[i] = one_request(port, prompt, max_tokens, temperature, seed=1000 + i)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    rs = [results[i] for i in sorted(results)]
+    ttft = sorted(r["ttft"] for r in rs)
+    return {"clients": clients, "requests": len(rs), "wall_s": round(wall, 2),
+            "tok_s": round(sum(r["tokens"] for r in rs) / wall, 2),
+            "ttft_p50": round(statistics.median(ttft), 3), "ttft_p95": round(ttft[int(0.95 * (len(ttft) - 1))], 3),
+            "req_tok_s_median": round(statistics.median(r["tokens"] / r["seconds"] for r in rs), 2),
+            "texts": [r["text"] for r in rs]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--server", action="append", required=True, help="NAME=COMMAND with {port}")
+    ap.add_argument("--clients", default="1,2,4,8")
+    ap.add_argument("--requests-per-client", type=int, default=2)
+    ap.add_argument("-n", "--max-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("-o", "--output", default=None, help="append the JSON lines here too")
+    a = ap.parse_args()
+    levels = [int(x) for x in a.clients.split(",")]
+    out = open(a.output, "a") if a.output else None
+    for name, _, command in (s.partition("=") for s in a.server):
+        port = free_port()
+        proc = subprocess.Popen(shlex.split(command.format(port=port)), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        try:
+            wait_healthy(port, proc)
+            one_request(port, "Hello", 8, 0.0, 0)  # warm-up (the cost model's first measurement, caches)
+            for r in range(a.rounds):
+                for c in (levels if r % 2 == 0 else levels[::-1]):
+                    row = {"server": name, "round": r, "temperature": a.temperature, "max_tokens": a.max_tokens,
+                           **run_clients(port, c, a.requests_per_client, a.max_tokens, a.temperature)}
+                    line = json.dumps(row)
+                    print(json.dumps({k: v for k, v in row.items() if k != "texts"}), flush=True)
+                    if out:
+                        out.write(line + "\n")
+                        out.flush()
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+if __name__ == "__main__":
+    main()
