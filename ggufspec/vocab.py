@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import threading
 from functools import cached_property
 
 import llama_cpp
@@ -25,7 +26,7 @@ class Vocab:
         # only for the first two
         self.pieces_cover_text = llama_cpp.llama_vocab_type(self._vocab) in (llama_cpp.LLAMA_VOCAB_TYPE_SPM,
                                                                              llama_cpp.LLAMA_VOCAB_TYPE_BPE)
-        self._buf = ctypes.create_string_buffer(256)
+        self._local = threading.local()  # each thread's piece buffer: a pool's slots render their tokens at once
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
         """Token ids of `text`; add_special adds BOS/EOS as the GGUF asks; parse_special reads <|tags|>."""
@@ -66,12 +67,14 @@ class Vocab:
 
     def piece(self, token: int, special: bool = False) -> bytes:
         """The bytes token `token` stands for; special tokens render as text only when `special`."""
-        n = llama_cpp.llama_token_to_piece(self._vocab, token, self._buf, len(self._buf), 0, special)
+        buf = getattr(self._local, "buf", None)
+        if buf is None:
+            buf = self._local.buf = ctypes.create_string_buffer(256)
+        n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
         if n < 0:
             buf = ctypes.create_string_buffer(-n)
             n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
-            return buf.raw[:n]
-        return self._buf.raw[:n]
+        return buf.raw[:n]
 
     def text(self, token: int) -> bytes:
         """The token's raw text as stored in the GGUF (what pairing compares)."""
