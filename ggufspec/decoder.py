@@ -102,6 +102,8 @@ class DecoderOptions:
     kv_type_v: str | None = None  # V alone (llama.cpp's --cache-type-v); None: kv_type
     embeddings: bool = False
     n_seq_max: int = 1
+    # one KV cell array for all sequences (trees need it); None: when n_seq_max > 1. False: a stream per sequence
+    kv_unified: bool | None = None
     verbose: bool = False
     memory_check: bool = True  # refuse models whose weights + KV exceed the available RAM
     # the default V type on CPU, this machine's choice (q8_0 or f16): set by resolved(); kv_type_v still says what
@@ -229,7 +231,7 @@ class LlamaCppDecoder:
             cparams.embeddings = opts.embeddings
             if opts.embeddings:
                 cparams.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_NONE
-            cparams.kv_unified = opts.n_seq_max > 1
+            cparams.kv_unified = opts.n_seq_max > 1 if opts.kv_unified is None else opts.kv_unified
             if opts.flash_attn is not None:
                 cparams.flash_attn_type = (
                     llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if opts.flash_attn else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
@@ -289,20 +291,28 @@ class LlamaCppDecoder:
     @classmethod
     def slots(cls, path: str | os.PathLike, options: DecoderOptions, n: int,
               lockstep: Lockstep) -> list[LlamaCppDecoder]:
-        """n decoders over ONE llama.cpp context, one per KV sequence set (llama-server's slots): each keeps its own
-        history in its own sequences, and their decodes run together, one batch per tick of `lockstep` (see
-        lockstep.py). options.n_ctx is the whole cache, as llama-server's -c: each slot holds n_ctx // n tokens;
-        options.n_seq_max is each slot's (its trees' leaves + 1). Closing a slot closes only the slot: the context
-        is freed with the last of them."""
+        """n decoders over ONE llama.cpp context (llama-server's slots): each keeps its own history in its own KV
+        sequence, and their decodes run together, one batch per tick of `lockstep` (see lockstep.py).
+        options.n_ctx is the whole cache, as llama-server's -c: each slot holds n_ctx // n tokens.
+
+        Several slots get a KV stream each (llama.cpp's non-unified cache), so that each slot's cells stay in the
+        order it decoded them: in one shared cell array, other slots' rollbacks leave holes that a slot's next
+        tokens fill, llama.cpp's attention then sums its cells in another order, and with activations quantized
+        between layers that moved SmolLM2's logits by up to 1.1, even with an f32 cache (docs/exactness.md). A
+        stream holds one sequence, so slots decode chains, not trees: options.n_seq_max must be 1 then. One slot
+        keeps options.n_seq_max sequences (its trees' leaves + 1) in one cell array.
+        Closing a slot closes only the slot: the context is freed with the last of them."""
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
+        if n > 1 and options.n_seq_max != 1:
+            raise ValueError(f"{n} slots hold one sequence each (no trees): n_seq_max must be 1, got {options.n_seq_max}")
         span, chunk = options.n_seq_max, min(options.n_batch, SLOT_CHUNK)
         per_slot = options.n_ctx // n
         if per_slot < 2:
             raise ValueError(f"a context of {options.n_ctx} tokens cannot hold {n} slots")
-        # the cache holds every slot's n_ctx // n tokens, plus one chunk each for their trees' transient nodes
+        # every slot's n_ctx // n tokens, plus a chunk each: a verification batch's or a tree's transient cells
         whole = replace(options, n_ctx=per_slot * n + n * chunk, n_batch=n * chunk, n_seq_max=n * span,
-                        n_ubatch=min(options.micro_batch, n * chunk))
+                        n_ubatch=min(options.micro_batch, n * chunk), kv_unified=True if n == 1 else False)
         owner = cls(path, whole)
         runner = _SharedContext(owner)
         view_options = replace(owner.options, n_ctx=per_slot, n_batch=chunk, n_seq_max=span, n_ubatch=None)
@@ -726,6 +736,9 @@ class _SharedContext:
 
     def run(self, subs: list[Submission]) -> None:
         o = self.owner
+        # by sequence: llama.cpp splits a batch over several streams into micro-batches of consecutive sequence ids
+        # (and as many tokens of each), so slots in order share theirs
+        subs = sorted(subs, key=lambda s: s.seq_ids[0][0])
         tokens = [t for s in subs for t in s.tokens]
         n = len(tokens)
         if n > o._batch.capacity:  # cannot happen: each slot submits at most its n_batch

@@ -21,12 +21,7 @@ from .errors import GGUFSpecError
 from .lockstep import Lockstep
 from .proposers import AnswerPool
 
-MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ: the sequences of all slots together
-# Slots share one cache, where a slot's cells may sit in another order than alone (another's rollback frees cells
-# below its own). llama.cpp's CPU attention adds cells up in cache order, and it accumulates an f16 V cache in f16:
-# there the order moved SmolLM2's logits by up to 0.5; with q8_0 V it accumulates in f32 and moved them by at most
-# 0.02 (docs/exactness.md). So several slots on CPU default to a q8_0 V cache.
-SHARED_V_TYPE = "q8_0"
+MAX_SLOTS = 256  # llama.cpp's LLAMA_MAX_SEQ: a slot is a KV sequence
 
 
 @dataclass
@@ -57,18 +52,16 @@ class EnginePool:
         """Open the models (checked as SpeculativeEngine.load checks them) as `parallel` slots sharing one context
         each; options.n_ctx is the whole cache (as llama-server's -c), each slot holds n_ctx // parallel tokens.
         The cost model `auto` prices steps with is measured (or read from the cache) here, before any slot runs."""
-        if parallel < 1:
-            raise GGUFSpecError(f"--parallel must be >= 1, got {parallel}")
+        if not 1 <= parallel <= MAX_SLOTS:
+            raise GGUFSpecError(f"--parallel must be between 1 and {MAX_SLOTS}, got {parallel}")
+        if parallel > 1 and medusa_path is not None:
+            raise GGUFSpecError("Medusa's trees need KV sequences of their own, which slots of a shared context do not "
+                                "have: serve Medusa heads with --parallel 1.")
         settings = settings or GenerationSettings()
-        if parallel > 1 and options is not None and options.needs_v_choice:
-            options = replace(options, cpu_v_type=SHARED_V_TYPE)
-        elif parallel > 1 and options is None:
-            options = DecoderOptions(cpu_v_type=SHARED_V_TYPE)
         options = SpeculativeEngine.check_files(target_path, draft_path, options, medusa_path, medusa_vocab)
-        target_options = SpeculativeEngine.target_options(options, draft_path)
-        if parallel * target_options.n_seq_max > MAX_SEQUENCES:
-            raise GGUFSpecError(f"--parallel {parallel} needs {parallel * target_options.n_seq_max} KV sequences "
-                                f"({target_options.n_seq_max} a slot); llama.cpp allows {MAX_SEQUENCES}")
+        if parallel > 1:  # a slot is one KV sequence (LlamaCppDecoder.slots): the draft model proposes chains
+            options = replace(options, n_seq_max=1)
+        target_options = SpeculativeEngine.target_options(options, draft_path) if parallel == 1 else options
         lockstep = Lockstep()
         targets = LlamaCppDecoder.slots(target_path, target_options, parallel, lockstep)
         drafts = LlamaCppDecoder.slots(draft_path, options, parallel, lockstep) if draft_path else [None] * parallel
