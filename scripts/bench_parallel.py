@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shlex
 import socket
 import statistics
@@ -106,7 +107,7 @@ def run_clients(port: int, clients: int, per_client: int, max_tokens: int, tempe
     ttft = sorted(r["ttft"] for r in rs)
     return {"clients": clients, "requests": len(rs), "wall_s": round(wall, 2),
             "tok_s": round(sum(r["tokens"] for r in rs) / wall, 2),
-            "ttft_p50": round(statistics.median(ttft), 3), "ttft_p95": round(ttft[int(0.95 * (len(ttft) - 1))], 3),
+            "ttft_p50": round(statistics.median(ttft), 3), "ttft_p95": round(ttft[math.ceil(0.95 * (len(ttft) - 1))], 3),
             "req_tok_s_median": round(statistics.median(r["tokens"] / r["seconds"] for r in rs), 2),
             "texts": [r["text"] for r in rs]}
 
