@@ -2,8 +2,8 @@
 
 Each sequence (a slot: one request's generation) runs the ordinary engine loop in its own thread, on decoders that
 are views of shared contexts (LlamaCppDecoder.slots). A view's decode is a `Submission`: it waits until every
-member thread is waiting on one, then the last to arrive runs every context's pending submissions as ONE
-llama_decode per context and wakes the others. So the target verifies every slot's proposal in one batch, the draft
+member thread is waiting on one, then the decode thread runs every context's pending submissions as ONE
+llama_decode per context and wakes them. So the target verifies every slot's proposal in one batch, the draft
 model decodes every slot's draft position in one batch, a joining prompt's chunk rides along with the others'
 steps, and the loop, the verifier and the proposers do not know that they share (continuous batching, as
 llama-server's slots, with no second code path).
@@ -57,7 +57,11 @@ class _Tick:
 
 
 class Lockstep:
-    """The rendezvous of the member threads of a set of shared contexts."""
+    """The rendezvous of the member threads of a set of shared contexts, and the one thread that decodes for them.
+
+    Every tick runs on that thread: with llama.cpp's OpenMP build, a decode from another thread than the one that
+    decoded before ran at half speed on 2 cores (all ticks on the member that arrived last: 9-11 tok/s where the
+    same decodes on one thread gave 15-17, docs/benchmarks-parallel.md)."""
 
     def __init__(self) -> None:
         self.lock = threading.Condition(threading.RLock())
@@ -65,6 +69,7 @@ class Lockstep:
         self._tick = _Tick()
         self._generation = 0  # ticks run so far
         self._local = threading.local()
+        self._runner: threading.Thread | None = None
         self.n_ticks = 0  # ticks run
 
     @property
@@ -86,7 +91,7 @@ class Lockstep:
             if depth == 0:
                 with self.lock:
                     self._members -= 1
-                    self._maybe_run()
+                    self.lock.notify_all()  # the decode thread may have waited for this member only
 
     def submit(self, runner: Runner, sub: Submission) -> Submission:
         """Queue `sub` for `runner`'s next batch and wait until it has run; `sub` comes back with its results."""
@@ -96,26 +101,37 @@ class Lockstep:
                 entry[1].append(sub)
                 self._tick.waiting += 1
                 generation = self._generation
-                if not self._maybe_run():
-                    while self._generation == generation:
-                        self.lock.wait()
+                self._start()
+                self.lock.notify_all()
+                while self._generation == generation:
+                    self.lock.wait()
         return sub
 
-    def _maybe_run(self) -> bool:
-        """Run the tick when every member waits (called holding the lock); whether it ran."""
-        tick = self._tick
-        if tick.waiting == 0 or tick.waiting < self._members:
-            return False
-        self._tick = _Tick()
-        try:
-            for runner, subs in tick.pending.values():
-                t0 = time.perf_counter()
-                runner.run(subs)
-                seconds, n = time.perf_counter() - t0, sum(len(s.tokens) for s in subs)
-                for s in subs:
-                    s.seconds, s.batch = seconds, n
-            self.n_ticks += 1
-        finally:
-            self._generation += 1
-            self.lock.notify_all()
-        return True
+    def _start(self) -> None:
+        if self._runner is None:
+            self._runner = threading.Thread(target=self._run_ticks, name="ggufspec-decode", daemon=True)
+            self._runner.start()
+
+    def _run_ticks(self) -> None:
+        """The decode thread: run a tick whenever every member waits on one (holding the lock while it runs)."""
+        with self.lock:
+            while True:
+                tick = self._tick
+                if tick.waiting == 0 or tick.waiting < self._members:
+                    self.lock.wait()
+                    continue
+                self._tick = _Tick()
+                try:
+                    for runner, subs in tick.pending.values():
+                        t0 = time.perf_counter()
+                        try:
+                            runner.run(subs)
+                        except Exception:  # the submissions keep rc -1: each member raises its decode's error
+                            pass
+                        seconds, n = time.perf_counter() - t0, sum(len(s.tokens) for s in subs)
+                        for s in subs:
+                            s.seconds, s.batch = seconds, n
+                    self.n_ticks += 1
+                finally:
+                    self._generation += 1
+                    self.lock.notify_all()

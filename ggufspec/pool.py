@@ -11,6 +11,7 @@ import os
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from typing import TypeVar
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
@@ -21,6 +22,7 @@ from .errors import GGUFSpecError
 from .lockstep import Lockstep
 from .proposers import AnswerPool
 
+T = TypeVar("T")
 MAX_SLOTS = 256  # llama.cpp's LLAMA_MAX_SEQ: a slot is a KV sequence
 
 
@@ -34,6 +36,27 @@ class Slot:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     drafts_kept: int = 0
+
+
+def _off_this_thread(work: Callable[[], T]) -> T:
+    """work() on a thread of its own. With llama.cpp's OpenMP build, once a thread has decoded, decodes from other
+    threads (the pool's decode thread) ran at half speed (lockstep.Lockstep): a probe that decodes (choosing the V
+    cache type on first use) must not run on the caller's thread, which may be the main one."""
+    out: list = []
+
+    def run() -> None:
+        try:
+            out.append((True, work()))
+        except BaseException as e:  # raised again on the caller's thread
+            out.append((False, e))
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
 
 
 class EnginePool:
@@ -58,6 +81,7 @@ class EnginePool:
             raise GGUFSpecError("Medusa's trees need KV sequences of their own, which slots of a shared context do not "
                                 "have: serve Medusa heads with --parallel 1.")
         settings = settings or GenerationSettings()
+        options = _off_this_thread((options or DecoderOptions()).resolved)  # a first use probes: see _off_this_thread
         options = SpeculativeEngine.check_files(target_path, draft_path, options, medusa_path, medusa_vocab)
         if parallel > 1:  # a slot is one KV sequence (LlamaCppDecoder.slots): the draft model proposes chains
             options = replace(options, n_seq_max=1)
@@ -87,18 +111,21 @@ class EnginePool:
 
     @contextmanager
     def slot(self, tokens: list[int] | None = None, timeout: float | None = None) -> Iterator[Slot]:
-        """A free slot, held inside: the one whose cache shares the longest prefix with `tokens` (llama-server's
-        slot similarity), else the one least recently used. Waits for one (TimeoutError past `timeout`)."""
+        """A free slot, held inside: the one whose cache holds at least half of `tokens` as a prefix, the most of
+        them (llama-server's slot similarity: a conversation's next turn), else the lowest-numbered. Low numbers
+        first keep the busy slots' KV streams consecutive, which llama.cpp batches together (it splits a batch
+        into micro-batches of consecutive sequence ids). Waits for one (TimeoutError past `timeout`)."""
+        tokens = tokens or []
         with self._free:
             if not self._free.wait_for(lambda: self._closed or any(not s.busy for s in self.slots), timeout):
                 raise TimeoutError("no slot came free")
             if self._closed:
                 raise GGUFSpecError("this engine pool is closed.")
-            free = [s for s in self.slots if not s.busy]
-            slot = max(free, key=lambda s: common_prefix(s.engine.target.history, tokens or []))
+            free = [s for s in self.slots if not s.busy]  # by id
+            shared = {s.id: common_prefix(s.engine.target.history, tokens) for s in free}
+            best = max(free, key=lambda s: shared[s.id])
+            slot = best if tokens and 2 * shared[best.id] >= len(tokens) else free[0]
             slot.busy = True
-            self.slots.remove(slot)
-            self.slots.append(slot)  # least recently used first among ties
         try:
             yield slot
         finally:

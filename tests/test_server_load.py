@@ -55,31 +55,41 @@ def call(port: int, kind: str, prompt: str) -> tuple[int, str | None]:
         conn.close()
 
 
+Result = tuple[str, int, str | None, str, float]  # kind, status, text, prompt, seconds
+
+
+def run_clients(call, port: int, prompts: list[str], clients: int = CLIENTS, requests: int = REQUESTS,
+                timeout: float = 600) -> tuple[list[Result], float]:
+    """`clients` threads, each sending `requests` requests one after another (request j of client i: KINDS[j] with
+    prompt i + j); every request's result and the wall time. Asserts that all ended within `timeout`."""
+    results: list[Result] = []
+    lock = threading.Lock()
+
+    def client(i: int) -> None:
+        for j in range(requests):
+            kind, prompt = KINDS[j], prompts[(i + j) % len(prompts)]
+            t0 = time.perf_counter()
+            status, text = call(port, kind, prompt)
+            with lock:
+                results.append((kind, status, text, prompt, time.perf_counter() - t0))
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+    assert not any(t.is_alive() for t in threads) and len(results) == clients * requests
+    return results, time.perf_counter() - t0
+
+
 def test_concurrent_clients(smollm2_path) -> None:
     s = Server("-m", str(smollm2_path), "-d", str(smollm2_path), "-c", "1024", "--queue", "3")
     try:
         reference = {(k, p): call(s.port, k, p)[1] for p in PROMPTS for k in ("chat", "completion")}
         assert all(v is not None for v in reference.values()), reference
         rss0 = s.rss_kb()
-        results: list[tuple[str, int, str | None, str, float]] = []
-        lock = threading.Lock()
-
-        def client(i: int) -> None:
-            for j in range(REQUESTS):
-                kind, prompt = KINDS[j], PROMPTS[(i + j) % len(PROMPTS)]
-                t0 = time.perf_counter()
-                status, text = call(s.port, kind, prompt)
-                with lock:
-                    results.append((kind, status, text, prompt, time.perf_counter() - t0))
-
-        t0 = time.perf_counter()
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(CLIENTS)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=600)
-        wall = time.perf_counter() - t0
-        assert not any(t.is_alive() for t in threads) and len(results) == CLIENTS * REQUESTS
+        results, wall = run_clients(call, s.port, PROMPTS, timeout=600)
         statuses = [r[1] for r in results]
         assert set(statuses) <= {200, 429}, [r for r in results if r[1] not in (200, 429)]
         assert 429 in statuses and statuses.count(200) >= CLIENTS  # over the queue limit, and still serving

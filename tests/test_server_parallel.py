@@ -19,6 +19,7 @@ import pytest
 from ggufspec.decoder import DecoderOptions
 from ggufspec.pool import EnginePool
 from test_server import Server
+from test_server_load import KINDS, run_clients
 
 PARALLEL, QUEUE = 4, 8
 CHATS = ["What is the capital of France?", "Name three colours.", "Say hello in Spanish.", "Count to five."]
@@ -172,8 +173,7 @@ def test_slots_show_several_requests_at_once_and_admission_is_parallel_plus_queu
 
 # --- load: 8 clients x 5 requests ---------------------------------------------------------------------------------
 
-CLIENTS, REQUESTS = 8, 5
-KINDS = ["chat", "stream", "disconnect", "completion", "stream"]  # request j of every client
+CLIENTS, REQUESTS = 8, 5  # with test_server_load's KINDS: request j of every client
 
 
 def _body(kind: str, prompt: str) -> tuple[str, dict]:
@@ -219,25 +219,7 @@ def test_load_of_8_clients_on_4_slots(server, explain) -> None:
         list(pool.map(lambda i: _call(server.port, KINDS[i % len(KINDS)], prompts[i % len(prompts)]), range(CLIENTS)))
     wait_idle(server)
     rss0 = server.rss_kb()
-    results: list[tuple[str, int, str | None, str, float]] = []
-    lock = threading.Lock()
-
-    def client(i: int) -> None:
-        for j in range(REQUESTS):
-            kind, prompt = KINDS[j], prompts[(i + j) % len(prompts)]
-            t0 = time.perf_counter()
-            status, text = _call(server.port, kind, prompt)
-            with lock:
-                results.append((kind, status, text, prompt, time.perf_counter() - t0))
-
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(CLIENTS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=240)
-    wall = time.perf_counter() - t0
-    assert not any(t.is_alive() for t in threads) and len(results) == CLIENTS * REQUESTS
+    results, wall = run_clients(_call, server.port, prompts, CLIENTS, REQUESTS, timeout=240)
     # at most 8 requests in flight (a little more while a request that just ended or left is being cleaned up), and
     # the server admits 4 + 8: nothing is refused, nothing fails
     assert [r for r in results if r[1] != 200] == []
