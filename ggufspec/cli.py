@@ -148,21 +148,20 @@ OPTIONS: tuple[Option, ...] = (
     option("-o", "--output", serves={"generate"}, type=click.Path(dir_okay=False), default=None,
            help="With --batch: the JSONL file each prompt's result is appended to as it finishes (id, index, text, "
                 "finish_reason, usage, timings; or error)."),
-    option("-np", "--parallel", serves={"generate"}, type=click.IntRange(min=1), default=1, show_default=True,
-           help="With --batch: prompts generated at once (slots; -c is then the whole cache, each slot holds "
-                "n_ctx / N tokens)."),
     option("--host", serves={"serve"}, default="127.0.0.1", show_default=True, help="Address to listen on."),
     option("--port", serves={"serve"}, type=click.IntRange(0, 65535), default=8080, show_default=True,
            help="Port (0: any free one)."),
     option("--api-key", serves={"serve"}, envvar="GGUFSPEC_API_KEY", default=None,
            help="Require `Authorization: Bearer KEY` on /v1 (also GGUFSPEC_API_KEY)."),
     option("--queue", serves={"serve"}, type=click.IntRange(min=0), default=16, show_default=True,
-           help="Requests that may wait while one runs; more get HTTP 429."),
+           help="Requests that may wait while every slot is busy; more get HTTP 429."),
     option("-a", "--alias", serves={"serve"}, default=None,
            help="Model name to report (default: the target's file name); any name a client sends is answered."),
-    option("-np", "--parallel", serves={"serve"}, type=click.IntRange(min=1), default=1, show_default=True,
+    option("-np", "--parallel", serves={"serve", "generate"}, type=click.IntRange(min=1), default=1, show_default=True,
            help="Slots: requests decoded at once, batched together (others wait in --queue). -c is the whole KV "
-                "cache, split evenly: each slot holds n_ctx / N tokens, as in llama-server."),
+                "cache, split evenly: each slot holds n_ctx / N tokens, as in llama-server.",
+           per={"generate": dict(help="With --batch: prompts generated at once (slots; -c is then the whole cache, "
+                                      "each slot holds n_ctx / N tokens).")}),
     option("--max-body", serves={"serve"}, type=ByteSize(), default=None,
            help="Largest request body (413 past it), e.g. 4M (default: 1 MiB plus 64 bytes per token of --n-ctx)."),
     option("-to", "--timeout", serves={"serve"}, type=click.FloatRange(min=0.1), default=60.0, show_default=True,
