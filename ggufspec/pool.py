@@ -2,8 +2,8 @@
 generating side by side (continuous batching with speculation; see lockstep.py).
 
 Each generation runs the ordinary engine loop in a thread of its own; the slots' decodes meet in one target batch
-and one draft batch per tick. Text equals what each prompt gets alone on one engine (docs/exactness.md says where
-llama.cpp's kernels may flip a near-tie)."""
+and one draft batch per tick. Each prompt's text is what it gets alone on one engine: each slot has a KV stream of
+its own (docs/exactness.md)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ import os
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from typing import TypeVar
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 from .costs import CostModel, cached_measure
 from .decoder import DecoderOptions, LlamaCppDecoder, common_prefix
-from .engine import DRAFT_TREE_SEQUENCES, GenerationResponse, GenerationSettings, Prompt, SpeculativeEngine
+from .engine import GenerationResponse, GenerationSettings, Prompt, SpeculativeEngine
 from .errors import GGUFSpecError
 from .lockstep import Lockstep
 from .proposers import AnswerPool
