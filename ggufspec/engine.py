@@ -304,8 +304,10 @@ class SpeculativeEngine:
         rng = np.random.default_rng(s.seed)
         tree = self.medusa_tree(s) if "medusa" in sources else None
         leaves = self.target.options.n_seq_max - 1 if method.draft_trees else 0
-        setup = Setup(self.target, s.sampling, rng, draft, s.draft_p_min, leaves, self.medusa, tree,
-                      self.answers if method.answers else None)
+        # earlier answers only at temperature 0: guesses drawn from them would change which random numbers a sampled
+        # run uses, and a seed must repeat a run (its text stays the target's either way)
+        answers = self.answers if method.answers and s.sampling.greedy else None
+        setup = Setup(self.target, s.sampling, rng, draft, s.draft_p_min, leaves, self.medusa, tree, answers)
         proposers = {name: PROPOSERS[name].build(setup) for name in sources}
         policy = method.policy(self, s, sources, tree)
         return Verifier(self.target, s.sampling, rng, hidden=tree is not None, typical=s.typical), proposers, policy
