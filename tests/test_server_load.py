@@ -25,9 +25,10 @@ def body(kind: str, prompt: str) -> tuple[str, dict]:
     return "/v1/chat/completions", {**b, "stream": kind != "chat"}
 
 
-def call(port: int, kind: str, prompt: str) -> tuple[int, str | None]:
-    """(HTTP status, the text) for a completed request; text None for a deliberate disconnect."""
-    path, b = body(kind, prompt)
+def call(port: int, kind: str, prompt: str, make_body=body) -> tuple[int, str | None]:
+    """(HTTP status, the text) for a completed request (its path and JSON from `make_body`); text None for a
+    deliberate disconnect."""
+    path, b = make_body(kind, prompt)
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
     try:
         conn.request("POST", path, body=json.dumps(b), headers={"Content-Type": "application/json"})

@@ -19,7 +19,7 @@ import pytest
 from ggufspec.decoder import DecoderOptions
 from ggufspec.pool import EnginePool
 from test_server import Server
-from test_server_load import KINDS, run_clients
+from test_server_load import KINDS, call, run_clients
 
 PARALLEL, QUEUE = 4, 8
 CHATS = ["What is the capital of France?", "Name three colours.", "Say hello in Spanish.", "Count to five."]
@@ -185,31 +185,8 @@ def _body(kind: str, prompt: str) -> tuple[str, dict]:
 
 
 def _call(port: int, kind: str, prompt: str) -> tuple[int, str | None]:
-    """(HTTP status, the text) of a request; text None for a deliberate disconnect."""
-    path, b = _body(kind, prompt)
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    try:
-        conn.request("POST", path, body=json.dumps(b), headers={"Content-Type": "application/json"})
-        r = conn.getresponse()
-        if r.status != 200 or not b.get("stream"):
-            out = json.loads(r.read())
-            if r.status != 200:
-                return r.status, json.dumps(out)
-            choice = out["choices"][0]
-            return 200, choice.get("text", (choice.get("message") or {}).get("content"))
-        text = ""
-        for n, line in enumerate(r):
-            if kind == "disconnect" and n >= 6:
-                conn.sock.shutdown(2)
-                return 200, None
-            if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
-                event = json.loads(line[6:])
-                assert "error" not in event, event
-                for c in event["choices"]:
-                    text += (c.get("delta") or {}).get("content") or c.get("text") or ""
-        return 200, text
-    finally:
-        conn.close()
+    """(HTTP status, the text) of a request of this file's shapes; text None for a deliberate disconnect."""
+    return call(port, kind, prompt, make_body=_body)
 
 
 def test_load_of_8_clients_on_4_slots(server, explain) -> None:
