@@ -25,7 +25,7 @@ from typing import Any
 
 import click
 
-from .errors import GGUFSpecError
+from .errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, GGUFSpecError
 from .outputs import remove_quietly, same_file, temp_path
 
 ID_FIELDS = ("custom_id", "id", "question_id", "task_id")  # the first one present names a JSON line's prompt
@@ -269,8 +269,6 @@ def run_batch(*, batch_path: str, output: str, parallel: int, chat: bool, raw: b
               show_stats: bool, truncate_prompt: bool, context_shift: bool, params: dict,
               load_engine: Callable[..., Any]) -> int:
     """`generate --batch`: the exit code (0 all done, 2 when prompts failed, 130 interrupted)."""
-    from .cli import EXIT_BAD_INPUT, EXIT_INTERRUPTED
-
     source = Path(batch_path)
     prompts = read_prompts(source)  # bad input fails before any model loads
     out = check_output(output, source)

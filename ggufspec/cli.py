@@ -11,12 +11,10 @@ from typing import Any, Callable, Iterable, Mapping, TypeVar
 
 import click
 
-from .errors import GGUFSpecError
+from .errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, GGUFSpecError
 from .kv_types import KV_TYPES
 from .methods import METHODS, get_method, methods_help
 
-EXIT_BAD_INPUT = 2
-EXIT_INTERRUPTED = 130
 F = TypeVar("F", bound=Callable[..., Any])
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+EXIT_BAD_INPUT = 2  # the CLI's exit code for bad input (click's for usage errors)
+EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT
+
 
 class GGUFSpecError(Exception):
     """Base class: the message says what was wrong, which file or value, and what to do next."""
