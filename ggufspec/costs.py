@@ -128,11 +128,8 @@ class SharedBatch(CostModel):
     long_sizes = property(lambda self: self.base.long_sizes)
     long_verify = property(lambda self: self.base.long_verify)
 
-    def batch_seconds(self, n: int) -> float:
-        return self.base.batch_seconds(n)
-
     def step_seconds(self, k: int, free: bool = False) -> float:
-        return k * (0.0 if free else self.draft) + self.base.batch_seconds(self.others + k + 1)
+        return k * (0.0 if free else self.draft) + self.batch_seconds(self.others + k + 1)
 
     def expected_rate(self, k: int, acceptance: float | Sequence[float], free: bool = False) -> float:
         return (self.others + self.expected_tokens(k, acceptance)) / self.step_seconds(k, free)

@@ -751,8 +751,6 @@ class _SharedContext:
             llama_cpp.llama_set_embeddings(o._ctx, hidden)
         rc = llama_cpp.llama_decode(o._ctx, o._batch.struct)
         o._batch.reset_sequences(n)
-        o.n_decodes += 1
-        o.n_decoded_tokens += n
         row = 0
         for s in subs:
             s.rc = rc

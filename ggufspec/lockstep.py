@@ -53,7 +53,11 @@ class _Tick:
     """The submissions waiting for the next run, per context."""
 
     pending: dict[int, tuple[Runner, list[Submission]]] = field(default_factory=dict)
-    waiting: int = 0
+
+    @property
+    def waiting(self) -> int:
+        """Members waiting on this tick: one submission each."""
+        return sum(len(subs) for _, subs in self.pending.values())
 
 
 class Lockstep:
@@ -71,10 +75,6 @@ class Lockstep:
         self._local = threading.local()
         self._runner: threading.Thread | None = None
         self.n_ticks = 0  # ticks run
-
-    @property
-    def members(self) -> int:
-        return self._members
 
     @contextmanager
     def member(self) -> Iterator[None]:
@@ -99,7 +99,6 @@ class Lockstep:
             with self.lock:
                 entry = self._tick.pending.setdefault(id(runner), (runner, []))
                 entry[1].append(sub)
-                self._tick.waiting += 1
                 generation = self._generation
                 self._start()
                 self.lock.notify_all()
