@@ -94,17 +94,26 @@ class Server:
         return self.wait()
 
 
-@pytest.fixture(scope="module")
-def server(smollm2_path):
-    s = Server("-m", str(smollm2_path), "-d", str(smollm2_path), "-c", "1024", "--queue", "2")
+def serving(*args: str):
+    """A module's server fixture: the server, then stopped with no traceback in its log."""
+    s = Server(*args)
     yield s
     err = s.stop()
     assert "Traceback" not in err, err
 
 
+def openai_client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path):
+    yield from serving("-m", str(smollm2_path), "-d", str(smollm2_path), "-c", "1024", "--queue", "2")
+
+
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server)
 
 
 def test_chat_at_temperature_0_equals_generate(server, client, smollm2_path) -> None:

@@ -18,7 +18,7 @@ import pytest
 
 from ggufspec.decoder import DecoderOptions
 from ggufspec.pool import EnginePool
-from test_server import Server
+from test_server import Server, openai_client, serving
 from test_server_load import KINDS, call, run_clients
 
 PARALLEL, QUEUE = 4, 8
@@ -30,16 +30,13 @@ LONG = "Write a very long story about a dragon named {}."  # runs long: holds it
 @pytest.fixture(scope="module")
 def server(smollm2_path):
     # -c is the whole cache, as llama-server's: 4 slots of 512 tokens
-    s = Server("-m", str(smollm2_path), "-d", str(smollm2_path), "-c", "2048", "-np", str(PARALLEL),
-               "--queue", str(QUEUE))
-    yield s
-    err = s.stop()
-    assert "Traceback" not in err, err
+    yield from serving("-m", str(smollm2_path), "-d", str(smollm2_path), "-c", "2048", "-np", str(PARALLEL),
+                       "--queue", str(QUEUE))
 
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")
