@@ -204,6 +204,8 @@ def cached_measure(target: LlamaCppDecoder, draft: LlamaCppDecoder | None, k_max
 
     A cached entry is used only when check_costs passes it: a bad one is reported on stderr, measured again and
     written over, so what the cache holds never makes a run fail."""
+    if target.options.remote or (draft is not None and draft.options.remote):
+        return measure(target, draft, k_max)[0]  # a network's costs are not this machine's to remember
     path = costs_path()
     key = json.dumps([_identity(target), _identity(draft) if draft else None, k_max, LONG_BATCHES, machine()])
     entry = read_entry(path, key, lambda value: check_costs(value, k_max))

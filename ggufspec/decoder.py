@@ -19,7 +19,7 @@ import llama_cpp
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from . import kv_cache, llama_log
+from . import kv_cache, llama_log, rpc
 from .errors import ContextLengthError, GGUFSpecError
 from .gguf_check import read_header
 from .llama_batch import Batch
@@ -109,6 +109,12 @@ class DecoderOptions:
     # the default V type on CPU, this machine's choice (q8_0 or f16): set by resolved(); kv_type_v still says what
     # the user asked for (a default that llama.cpp cannot build falls back to f16, an asked type fails)
     cpu_v_type: str | None = None
+    # llama.cpp RPC servers ("host:port") that take the offloaded layers (n_gpu_layers of them, 0: all), weighed by
+    # tensor_split; such a decoder is opened in a child process (isolated.py), which a failed server may abort
+    rpc: tuple[str, ...] = ()
+    tensor_split: tuple[float, ...] = ()
+    rpc_timeout: float = 60.0  # the longest a call may wait on the RPC servers before they are taken for gone
+    rpc_draft: bool = False  # a draft model loaded with these options goes to the RPC servers too (default: local)
 
     def __post_init__(self) -> None:
         if self.n_ctx < 1:
@@ -125,6 +131,12 @@ class DecoderOptions:
                 raise ValueError(f"{name} must be one of {', '.join(KV_TYPES)}, got {value!r}")
             if value not in (None, *UNQUANTIZED_KV) and self.flash_attn is False:
                 raise ValueError(f"a {value} KV cache needs flash attention (llama.cpp quantizes V only there)")
+        if any(not 0 <= w < float("inf") for w in self.tensor_split) or (self.tensor_split and not sum(self.tensor_split)):
+            raise ValueError(f"tensor_split needs weights >= 0, not all 0, got {list(self.tensor_split)}")
+        if len(self.tensor_split) > llama_cpp.LLAMA_MAX_DEVICES:
+            raise ValueError(f"tensor_split has at most {llama_cpp.LLAMA_MAX_DEVICES} weights (llama.cpp's devices)")
+        if not self.rpc_timeout > 0:
+            raise ValueError(f"rpc_timeout must be > 0 seconds, got {self.rpc_timeout}")
         if self.cpu_v_type is not None and self.cpu_v_type not in kv_cache.V_TYPES:
             raise ValueError(f"cpu_v_type must be one of {', '.join(kv_cache.V_TYPES)}, got {self.cpu_v_type!r}")
 
@@ -141,6 +153,11 @@ class DecoderOptions:
         """Whether layers go to a GPU: n_gpu_layers asks for it and this llama.cpp build has a GPU backend (without
         one llama.cpp ignores n_gpu_layers, and so do the CPU defaults here)."""
         return self.n_gpu_layers != 0 and gpu_offload()
+
+    @property
+    def remote(self) -> bool:
+        """Whether layers go to RPC servers (the weights there are not this machine's memory)."""
+        return bool(self.rpc)
 
     @property
     def cache_type(self) -> str:
@@ -186,8 +203,9 @@ class DecoderOptions:
 
 
 def gpu_offload() -> bool:
-    """Whether this llama.cpp build has a GPU backend (CUDA, Metal, Vulkan, ...)."""
-    return bool(llama_cpp.llama_supports_gpu_offload())
+    """Whether this llama.cpp build has a GPU backend (CUDA, Metal, Vulkan, ...). Not llama_supports_gpu_offload,
+    which says yes for an RPC backend alone."""
+    return bool(rpc.local_gpus())
 
 
 def kv_label(k: str, v: str) -> str:
@@ -213,11 +231,14 @@ class LlamaCppDecoder:
         self.header = read_header(self.path)  # a bad file fails before anything is measured
         # chosen before the memory check sizes the cache with it
         self.options = opts = (options or DecoderOptions()).resolved()
-        if opts.memory_check and not opts.offloads:
+        if opts.memory_check and not opts.offloads and not opts.remote:
             check_memory([(self.path, self.header)], opts.n_ctx, opts.cache_type, opts.cache_type_v)
         self._ctx = self._batch = None
-        self.model = model = LlamaModel(self.path, self.header, n_gpu_layers=opts.n_gpu_layers, use_mmap=opts.use_mmap,
-                                        use_mlock=opts.use_mlock, repack=opts.repack, verbose=opts.verbose)
+        remote = rpc.devices(rpc.parse_endpoints(opts.rpc)) if opts.remote else None  # may abort: see isolated.py
+        self.model = model = LlamaModel(self.path, self.header, n_gpu_layers=(opts.n_gpu_layers or -1) if remote
+                                        else opts.n_gpu_layers, use_mmap=opts.use_mmap, use_mlock=opts.use_mlock,
+                                        repack=opts.repack, verbose=opts.verbose, devices=remote,
+                                        tensor_split=opts.tensor_split)
         self.vocab, self.n_vocab, self.n_embd = model.vocab, model.n_vocab, model.n_embd
         self.weight_buffers, self.cpu_backend = model.weight_buffers, model.cpu_backend
         try:

@@ -13,11 +13,13 @@ from typing import Literal
 
 import numpy as np
 
+from . import rpc
 from .chat import Message, chat_tokens, prestart
 from .costs import CostModel, cached_measure
 from .decoder import DecoderOptions, LlamaCppDecoder
 from .errors import ContextLengthError, GGUFSpecError, ModelFileError
 from .gguf_check import read_header
+from .isolated import open_target
 from .memory import check_memory
 from .medusa.candidates import special_ids
 from .medusa.heads import ARCH as MEDUSA_ARCH, Heads, heads_memory, medusa_decoder_options
@@ -126,11 +128,8 @@ class SpeculativeEngine:
     ) -> SpeculativeEngine:
         """Open the GGUF files (checked first, and their RAM needs together) and pair them; Medusa heads if given."""
         options = cls.check_files(target_path, draft_path, options, medusa_path, medusa_vocab)
-        target = LlamaCppDecoder(target_path, cls.target_options(options, draft_path))
-        draft = None
+        target, draft = cls.open_models(target_path, draft_path, options)
         try:
-            if draft_path is not None:
-                draft = LlamaCppDecoder(draft_path, options)
             engine = cls(target, draft, settings, costs)
             engine.load_heads(medusa_path, medusa_vocab)
             return engine
@@ -157,11 +156,39 @@ class SpeculativeEngine:
                                      "--medusa (medusa_path=), next to the target it was trained for.")
         if headers[0].metadata.get("tokenizer.chat_template"):
             prestart()  # the template's renderer process starts while the models load
-        if options.memory_check and not options.offloads:
+        local = list(zip(paths, headers))
+        if options.remote:
+            rpc.check(rpc.parse_endpoints(options.rpc))  # an RPCError here, not an abort in llama.cpp
+            local = local[1:] if not options.rpc_draft else []  # the weights on RPC servers are theirs to hold
+        if options.memory_check and not options.offloads and local:
             extra = heads_memory(medusa_path, headers[0], medusa_vocab) if medusa_path is not None else []
             kv = options.resolved()  # this machine's default V cache type, chosen before the check sizes the cache
-            check_memory(list(zip(paths, headers)), options.n_ctx, kv.cache_type, kv.cache_type_v, extra)
+            check_memory(local, options.n_ctx, kv.cache_type, kv.cache_type_v, extra)
         return options
+
+    @classmethod
+    def open_models(cls, target_path: str | os.PathLike, draft_path: str | os.PathLike | None,
+                    options: DecoderOptions) -> tuple[LlamaCppDecoder, LlamaCppDecoder | None]:
+        """The target (with target_options) and the draft. With options.rpc, the target's layers go to those RPC
+        servers, from a child process (isolated.py: ggml-rpc aborts the process whose server fails), and the draft
+        stays on this machine unless options.rpc_draft."""
+        target_options = cls.target_options(options, draft_path)
+        if options.remote:
+            on_rpc = options.rpc_draft and draft_path is not None
+            target, draft = open_target(target_path, target_options, draft_path, options if on_rpc else None)
+            if draft_path is not None and draft is None:
+                try:
+                    draft = LlamaCppDecoder(draft_path, replace(options, rpc=(), tensor_split=()))
+                except BaseException:
+                    target.close()
+                    raise
+            return target, draft  # type: ignore[return-value]
+        target = LlamaCppDecoder(target_path, target_options)
+        try:
+            return target, LlamaCppDecoder(draft_path, options) if draft_path is not None else None
+        except BaseException:
+            target.close()
+            raise
 
     @staticmethod
     def target_options(options: DecoderOptions, draft_path: str | os.PathLike | None) -> DecoderOptions:

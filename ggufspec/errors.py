@@ -1,13 +1,22 @@
-"""Errors ggufspec raises for bad input; the CLI turns them into a message and exit code 2."""
+"""Errors ggufspec raises; the CLI turns them into a message and their exit code (2 for bad input)."""
 
 from __future__ import annotations
 
+EXIT_FAILED = 1  # the CLI's exit code when something outside the input failed (an RPC server that went away)
 EXIT_BAD_INPUT = 2  # the CLI's exit code for bad input (click's for usage errors)
 EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT
 
 
 class GGUFSpecError(Exception):
     """Base class: the message says what was wrong, which file or value, and what to do next."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class RPCError(GGUFSpecError):
+    """An RPC endpoint that cannot be used, or an RPC server that failed (rpc.py, isolated.py)."""
+
+    exit_code = EXIT_FAILED
 
 
 class ModelFileError(GGUFSpecError):

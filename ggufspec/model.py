@@ -25,7 +25,10 @@ class LlamaModel:
     (as DecoderOptions holds them); Ctrl-C stops the load. ModelFileError where llama.cpp refuses it."""
 
     def __init__(self, path: Path, header: GGUFHeader, *, n_gpu_layers: int = 0, use_mmap: bool = True,
-                 use_mlock: bool = False, repack: bool = True, verbose: bool = False) -> None:
+                 use_mlock: bool = False, repack: bool = True, verbose: bool = False, vocab_only: bool = False,
+                 devices: list[int] | None = None, tensor_split: tuple[float, ...] = ()) -> None:
+        """`devices`: the ggml devices (addresses) the offloaded layers go to, in place of all of this build's
+        (llama.cpp's default), weighed by `tensor_split`; `vocab_only`: the vocabulary and metadata, no weights."""
         self.path, self.header = path, header
         llama_log.install(verbose)
         self.cpu_backend = cpu_backend.prepare()
@@ -34,6 +37,13 @@ class LlamaModel:
         mparams.load_mode = _LOAD_MODES[use_mmap, use_mlock]
         mparams.use_extra_bufts = repack
         mparams.progress_callback = llama_log.load_progress  # stops the load on Ctrl-C
+        mparams.vocab_only = vocab_only
+        if devices:
+            self._devices = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)  # NULL-terminated, kept alive
+            mparams.devices = ctypes.cast(self._devices, ctypes.c_void_p)
+        if tensor_split:
+            self._split = (ctypes.c_float * llama_cpp.LLAMA_MAX_DEVICES)(*tensor_split)
+            mparams.tensor_split = self._split
         log: list[str] = []
         with llama_log.capture(log.append), llama_log.interruptible():
             self.handle = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams) or None

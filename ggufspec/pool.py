@@ -80,15 +80,22 @@ class EnginePool:
         if parallel > 1 and medusa_path is not None:
             raise GGUFSpecError("Medusa's trees need KV sequences of their own, which slots of a shared context do not "
                                 "have: serve Medusa heads with --parallel 1.")
+        if parallel > 1 and options is not None and options.remote:
+            raise GGUFSpecError("a target on RPC servers (--rpc) serves one request at a time for now: use "
+                                "--parallel 1.")
         settings = settings or GenerationSettings()
         options = _off_this_thread((options or DecoderOptions()).resolved)  # a first use probes: see _off_this_thread
         options = SpeculativeEngine.check_files(target_path, draft_path, options, medusa_path, medusa_vocab)
         if parallel > 1:  # a slot is one KV sequence (LlamaCppDecoder.slots): the draft model proposes chains
             options = replace(options, n_seq_max=1)
-        target_options = SpeculativeEngine.target_options(options, draft_path) if parallel == 1 else options
         lockstep = Lockstep()
-        targets = LlamaCppDecoder.slots(target_path, target_options, parallel, lockstep)
-        drafts = LlamaCppDecoder.slots(draft_path, options, parallel, lockstep) if draft_path else [None] * parallel
+        if options.remote:  # the target in a child process (isolated.py): one slot
+            target, draft = SpeculativeEngine.open_models(target_path, draft_path, options)
+            targets, drafts = [target], [draft]
+        else:
+            target_options = SpeculativeEngine.target_options(options, draft_path) if parallel == 1 else options
+            targets = LlamaCppDecoder.slots(target_path, target_options, parallel, lockstep)
+            drafts = LlamaCppDecoder.slots(draft_path, options, parallel, lockstep) if draft_path else [None] * parallel
         engines = [SpeculativeEngine(t, d, settings, costs) for t, d in zip(targets, drafts)]
         answers = AnswerPool()  # one for every slot: an answer in one slot drafts for the next request in any
         for e in engines:
@@ -198,7 +205,8 @@ class EnginePool:
             self._closed = True
             self._free.notify_all()
         # the last slot's reference would free each shared context: free them now rather than at collection
-        owners = [d._runner.owner for d in (self.engine.target, self.engine.draft) if d is not None and d._runner]
+        runners = [getattr(d, "_runner", None) for d in (self.engine.target, self.engine.draft)]  # None: own context
+        owners = [r.owner for r in runners if r is not None]
         for s in self.slots:
             s.engine.close()
         for owner in owners:
