@@ -1,17 +1,19 @@
-"""The `ggufspec` command line. Exit codes: 0 done, 2 usage or bad input, 130 interrupted."""
+"""The `ggufspec` command line. Exit codes: 0 done, 1 failed (an RPC server went away), 2 usage or bad input, 130
+interrupted."""
 
 from __future__ import annotations
 
 import inspect
 import json
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, TypeVar
 
 import click
 
-from .errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, GGUFSpecError
+from .errors import EXIT_INTERRUPTED, GGUFSpecError
 from .kv_types import KV_TYPES
 from .methods import METHODS, get_method, methods_help
 
@@ -25,8 +27,9 @@ class Group(click.Group):
         try:
             return super().invoke(ctx)
         except GGUFSpecError as e:
+            sys.stdout.flush()  # the text so far before the reason it stops
             click.echo(f"error: {e}", err=True)
-            ctx.exit(EXIT_BAD_INPUT)
+            ctx.exit(e.exit_code)
         except KeyboardInterrupt:  # click alone would print "Aborted!" and exit 1
             click.echo("interrupted", err=True)
             ctx.exit(EXIT_INTERRUPTED)
@@ -259,6 +262,16 @@ OPTIONS: tuple[Option, ...] = (
     option("-ngl", "--n-gpu-layers", "--gpu-layers", "n_gpu_layers", serves=LOADS, type=int, default=0,
            show_default=True,
            help="Layers to offload to Metal/CUDA (-1: all); ignored, with a warning, by a build without them."),
+    option("--rpc", "rpc", serves=LOADS, metavar="HOST:PORT[,...]", default=None,
+           help="Put the target's layers on llama.cpp RPC servers (`ggufspec rpc-server` on each machine), in this "
+                "order; -ngl N sends N layers there and keeps the rest here (default: all). The draft model, Medusa "
+                "heads and lookup stay on this machine. Needs llama.cpp built with RPC (README)."),
+    option("-ts", "--tensor-split", "tensor_split", serves=LOADS, metavar="W0,W1,...", default=None,
+           help="How to share the offloaded layers between the devices (RPC servers, GPUs), as weights: 3,1 puts "
+                "three quarters on the first."),
+    option("--rpc-draft", serves=LOADS, is_flag=True, help="The draft model goes to the --rpc servers too."),
+    option("--rpc-timeout", serves=LOADS, type=click.FloatRange(min=0, min_open=True), default=60.0,
+           show_default=True, help="Seconds one model pass may wait on the RPC servers before they are taken for gone."),
     option("--no-mmap", serves=LOADS, is_flag=True, help="Read the model into memory instead of mapping it."),
     option("--mlock", serves=LOADS, is_flag=True, help="Lock the model in RAM."),
     option("--no-repack", serves=LOADS, is_flag=True,
@@ -290,22 +303,38 @@ def options_for(command: str) -> Callable[[F], F]:
     return decorate
 
 
-def decoder_options(n_ctx, n_batch, n_ubatch, threads, threads_batch, n_gpu_layers, no_mmap, mlock, no_repack, flash_attn,
-                    fa, kv_type, kv_type_k, kv_type_v, verbose, no_memory_check):
+def decoder_options(n_ctx, n_batch, n_ubatch, threads, threads_batch, n_gpu_layers, rpc, tensor_split, rpc_draft,
+                    rpc_timeout, no_mmap, mlock, no_repack, flash_attn, fa, kv_type, kv_type_k, kv_type_v, verbose,
+                    no_memory_check):
     from .decoder import DecoderOptions, gpu_offload
+    from .rpc import parse_endpoints, require
+
+    endpoints = ()
+    if rpc is not None:
+        require()  # one error line naming the build flags, before anything loads
+        endpoints = tuple(map(str, parse_endpoints(rpc)))
+    elif rpc_draft:
+        raise click.UsageError("--rpc-draft needs --rpc.")
+    split = ()
+    if tensor_split is not None:
+        try:
+            split = tuple(float(w) for w in tensor_split.replace("/", ",").split(","))
+        except ValueError:
+            raise click.UsageError(f"--tensor-split takes weights like 3,1; got {tensor_split!r}.") from None
 
     if fa is not None:
         if flash_attn is not None and flash_attn != (fa == "on"):
             raise click.UsageError(f"-fa {fa} contradicts --{'' if flash_attn else 'no-'}flash-attn.")
         flash_attn = {"on": True, "off": False, "auto": None}[fa]
-    if n_gpu_layers != 0 and not gpu_offload():  # as llama.cpp: a warning, and the CPU's defaults stay
+    if n_gpu_layers != 0 and not gpu_offload() and not endpoints:  # as llama.cpp: a warning, the CPU's defaults stay
         click.echo(f"warning: -ngl {n_gpu_layers} is ignored: this llama.cpp build has no GPU backend (reinstall "
                    "llama-cpp-python with CMAKE_ARGS for CUDA or Metal, see README); running on the CPU", err=True)
         n_gpu_layers = 0
     try:
         return DecoderOptions(
             n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=threads, n_threads_batch=threads_batch,
-            n_gpu_layers=n_gpu_layers, use_mmap=not no_mmap, use_mlock=mlock, repack=not no_repack, flash_attn=flash_attn,
+            n_gpu_layers=n_gpu_layers, rpc=endpoints, tensor_split=split, rpc_draft=rpc_draft, rpc_timeout=rpc_timeout,
+            use_mmap=not no_mmap, use_mlock=mlock, repack=not no_repack, flash_attn=flash_attn,
             kv_type=kv_type, kv_type_k=kv_type_k, kv_type_v=kv_type_v, verbose=verbose, memory_check=not no_memory_check,
         )
     except ValueError as e:
@@ -670,6 +699,42 @@ def doctor(target, draft, **model_opts) -> None:
     from .doctor import report
 
     click.echo(report(target, draft, decoder_options(**model_opts)))
+
+
+@main.command("rpc-server")
+@click.option("-H", "--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on. Anything but 127.0.0.1 exposes a protocol without authentication: use an "
+                   "SSH tunnel instead (README).")
+@click.option("-p", "--port", type=click.IntRange(1, 65535), default=50052, show_default=True)
+@click.option("-t", "--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: all cores).")
+@click.option("-c", "--cache", "cache_dir", type=click.Path(file_okay=False), default=None,
+              help="Keep the tensors clients send in DIR, so that the next load of the same model sends hashes "
+                   "instead of weights (llama.cpp's rpc-server -c).")
+def rpc_server(host, port, threads, cache_dir) -> None:
+    """Lend this machine's GPU, or its CPU where it has none, to ggufspec on another machine (its --rpc
+    HOST:PORT): llama.cpp's RPC server, one client at a time, until Ctrl-C."""
+    from .decoder import default_threads
+    from .rpc import NO_AUTH_WARNING, parse_endpoints, require, serve
+
+    require()
+    endpoint = parse_endpoints(f"{host}:{port}")[0]
+    if host != "127.0.0.1":
+        click.echo(NO_AUTH_WARNING, err=True)
+    if cache_dir is not None:
+        Path(cache_dir).expanduser().mkdir(parents=True, exist_ok=True)
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            serve(endpoint, threads or default_threads(), str(Path(cache_dir).expanduser()) if cache_dir else None)
+        except BaseException as e:  # noqa: BLE001 - raised again on the main thread
+            failed.append(e)
+
+    server = threading.Thread(target=run, name="ggufspec-rpc-server", daemon=True)  # llama.cpp blocks; Ctrl-C won't
+    server.start()
+    while server.is_alive():
+        server.join(0.5)
+    raise failed[0]
 
 
 def _register_converters() -> None:

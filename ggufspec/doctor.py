@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import json
 import platform
+from dataclasses import replace
 from importlib import metadata
 from pathlib import Path
 
 import llama_cpp
 from gguf import GGMLQuantizationType
 
-from . import cpu_backend
+from . import cpu_backend, rpc
+from .decoder import DecoderOptions, LlamaCppDecoder, gpu_offload
+from .isolated import open_target
 from .machine_cache import costs_path, cpu_info
-from .decoder import DecoderOptions, LlamaCppDecoder
 
 
 def _version(dist: str) -> str:
@@ -30,7 +32,8 @@ def environment() -> list[str]:
         f"llama-cpp-python {llama_cpp.__version__}, gguf {_version('gguf')}, numpy {_version('numpy')}",
         f"CPU: {cpu_info().get('model name') or platform.processor() or 'unknown'}",
         f"llama.cpp system info: {llama_cpp.llama_print_system_info().decode(errors='replace').strip()}",
-        f"GPU offload: {'available' if llama_cpp.llama_supports_gpu_offload() else 'not in this build (CPU only)'}",
+        f"GPU offload: {'available' if gpu_offload() else 'not in this build (CPU only)'}",
+        f"RPC (--rpc, rpc-server): {'available' if rpc.available() else 'not in this build: ' + rpc.BUILD_HINT}",
         f"CPU weight layouts offered: {', '.join(backend.offered) or 'none'}; in use: {', '.join(backend.in_use) or 'plain only'}",
     ]
     for name, why in backend.dropped.items():
@@ -50,8 +53,9 @@ def environment() -> list[str]:
 
 
 def model_lines(role: str, path: str | Path, options: DecoderOptions) -> list[str]:
-    """Where one model's weights live and what its KV cache holds, from a real load."""
-    with LlamaCppDecoder(path, options) as d:
+    """Where one model's weights live and what its KV cache holds, from a real load (on options.rpc's servers
+    from a child process, as generation loads it)."""
+    with (open_target(path, options)[0] if options.remote else LlamaCppDecoder(path, options)) as d:
         buffers = ", ".join(f"{name} {mib:.1f} MiB" for name, mib in d.weight_buffers.items()) or "unknown"
         types = sorted({t.type for t in d.header.tensors})
         return [
@@ -65,9 +69,13 @@ def model_lines(role: str, path: str | Path, options: DecoderOptions) -> list[st
 
 def report(target: str | None, draft: str | None, options: DecoderOptions) -> str:
     lines = environment()
+    if options.remote:
+        for ep, seconds in rpc.check(rpc.parse_endpoints(options.rpc)).items():
+            lines.append(f"RPC server {ep}: answers, handshake round trip {seconds * 1000:.2f} ms")
     for role, path in (("target", target), ("draft", draft)):
         if path is not None:
-            lines += model_lines(role, path, options)
+            on_rpc = role == "target" or options.rpc_draft
+            lines += model_lines(role, path, options if on_rpc else replace(options, rpc=()))
     if target is None:
         lines.append("(give -m MODEL.gguf [-d DRAFT.gguf] to see where their weights go)")
     return "\n".join(lines)

@@ -19,7 +19,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import Receive
 
 from ..engine import GenerationResponse, GenerationSettings, Prompt
-from ..errors import Cancelled, ContextLengthError, GGUFSpecError
+from ..errors import Cancelled, ContextLengthError, GGUFSpecError, RPCError
 from ..sampling import SamplingParams
 from .api import (CHAT, FINISH_REASONS, TEXT, APIError, ChatRequest, CommonRequest, CompletionRequest, Shape,
                   Speculative, refused_field, timings, usage)
@@ -67,6 +67,9 @@ def create_app(worker: Worker, settings: GenerationSettings, model_id: str, limi
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        failure = worker.remote_failure()
+        if failure is not None:
+            return JSONResponse({"status": "error", "error": failure}, status_code=503)
         stalled = worker.stalled_for()
         if stalled > STALL_SECONDS:
             return JSONResponse({"status": "error", "error": f"the engine has made no progress for {stalled:.0f} s"},
@@ -241,6 +244,9 @@ def as_api_error(e: Exception, param: str | None = None) -> APIError:
         return APIError(400, str(e), param=param, code="context_length_exceeded")
     if isinstance(e, Cancelled):
         return APIError(499, str(e))
+    if isinstance(e, RPCError):  # not the request's fault: the server's RPC servers failed (/health says so)
+        return APIError(503, str(e), code="rpc_server_unavailable", kind="server_error",
+                        headers={"Retry-After": "5"})
     if isinstance(e, GGUFSpecError):
         return APIError(400, str(e), param=param)
     return server_error(e)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ..engine import GenerationResponse, GenerationResult, GenerationSettings, Prompt, SpeculativeEngine
+from ..errors import RPCError
 from ..lockstep import Lockstep
 from ..pool import EnginePool, Slot
 from .api import APIError
@@ -147,6 +148,8 @@ class Worker:
                 finally:
                     result = slot.engine.last_result  # before another job takes the slot
         except Exception as e:  # GGUFSpecError: the request's fault; anything else is answered as a server error
+            if isinstance(e, RPCError):
+                self.remote_failure()  # reconnects in the background as soon as the servers answer again
             self._finish(job, cancelled=job.cancelled.is_set())
             answered = True
             job.put(e)
@@ -223,6 +226,16 @@ class Worker:
                 self._progress(job)
             worst = max(worst, time.monotonic() - job.beat)
         return worst
+
+    def remote_failure(self) -> str | None:
+        """Why the target's RPC servers cannot serve now, or None. While they cannot, it waits in the background
+        for them to answer again, then loads the models on them again (isolated.DecoderProcess.recover)."""
+        process = getattr(self.engine.target, "process", None)
+        failure = process.failure if process is not None else None
+        if failure is None:
+            return None
+        process.recover_when_back()
+        return f"{failure}; reconnecting as soon as they answer again"
 
     # --- shutdown ------------------------------------------------------------------------------------------------
 
