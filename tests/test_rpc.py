@@ -1,0 +1,241 @@
+"""The target over llama.cpp's RPC backend (issue 41): `ggufspec rpc-server`s started here on free loopback ports,
+the target split across them (and across one of them and this machine), greedy text equal to one machine's, and
+the failures ggml-rpc would abort on: bad endpoints, a server killed or stalled mid-generation, a server restarted.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from ggufspec import rpc
+from ggufspec.decoder import DecoderOptions
+from ggufspec.engine import GenerationSettings, SpeculativeEngine
+from ggufspec.errors import RPCError
+
+from test_server import Server
+
+pytestmark = pytest.mark.skipif(not rpc.available(), reason="llama.cpp built without RPC (-DGGML_RPC=on)")
+
+PROMPT = "The three primary colors are"
+CLI = [sys.executable, "-m", "ggufspec.cli"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RPCServer:
+    """`ggufspec rpc-server` on 127.0.0.1:port, answering the handshake."""
+
+    def __init__(self, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.endpoint = f"127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([*CLI, "rpc-server", "--port", str(self.port), "-t", "1"],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                rpc.hello(rpc.Endpoint("127.0.0.1", self.port), timeout=2)
+                return
+            except RPCError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.proc.kill()
+                    raise AssertionError(f"rpc-server did not start: {self.proc.stdout.read()}")
+                time.sleep(0.2)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+            self.proc.kill()
+        self.proc.wait()
+        self.proc.stdout.close()
+
+
+@contextmanager
+def rpc_servers(n: int):
+    servers = [RPCServer() for _ in range(n)]
+    try:
+        yield servers
+    finally:
+        for s in servers:
+            s.kill()
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_path) -> dict[str, str]:
+    """Greedy text on this machine with llama.cpp's plain CPU weight layout: an rpc-server's CPU computes with it
+    (the extra, repacked layouts are the local CPU device's), so these are the kernels RPC runs."""
+    options = DecoderOptions(n_ctx=512, repack=False)
+    out = {}
+    with SpeculativeEngine.load(smollm2_path, smollm2_path, options) as engine:
+        for method in ("autoregressive", "vanilla", "auto"):
+            out[method] = engine.generate(PROMPT, GenerationSettings(max_tokens=24, method=method)).text
+    assert len(set(out.values())) == 1, out
+    return out
+
+
+# --- endpoints, before llama.cpp sees them ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, says", [
+    ("127.0.0.1", "not HOST:PORT"),
+    (":50052", "not HOST:PORT"),
+    ("127.0.0.1:0", "from 1 to 65535"),
+    ("127.0.0.1:port", "from 1 to 65535"),
+    ("[::1]:50052", "IPv4 only"),
+    ("127.0.0.1:50052,127.0.0.1:50052", "given twice"),
+    (" , ", "at least one"),
+])
+def test_bad_endpoints_are_named(text, says) -> None:
+    with pytest.raises(RPCError, match=says):
+        rpc.parse_endpoints(text)
+
+
+def test_a_closed_port_an_http_server_and_a_silent_listener_are_told_apart() -> None:
+    with pytest.raises(RPCError, match="connection refused"):
+        rpc.hello(rpc.Endpoint("127.0.0.1", free_port()))
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(RPCError, match="no answer to the RPC handshake within 1 s .not an RPC server"):
+            rpc.hello(rpc.Endpoint("127.0.0.1", web.server_address[1]), timeout=1)  # it waits for a line end
+    finally:
+        web.shutdown()
+
+    with socket.socket() as ssh:  # a server that speaks first, as sshd does
+        ssh.bind(("127.0.0.1", 0))
+        ssh.listen(1)
+        threading.Thread(target=lambda: ssh.accept()[0].sendall(b"SSH-2.0-OpenSSH_9.6\r\n" + bytes(40)),
+                         daemon=True).start()
+        with pytest.raises(RPCError, match="not a llama.cpp RPC server .it answered the handshake with 'SSH-2.0"):
+            rpc.hello(rpc.Endpoint("127.0.0.1", ssh.getsockname()[1]))
+
+    with socket.socket() as silent:  # accepts (the backlog does), never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(1)
+        start = time.monotonic()
+        with pytest.raises(RPCError, match="no answer to the RPC handshake within 1 s"):
+            rpc.hello(rpc.Endpoint("127.0.0.1", silent.getsockname()[1]), timeout=1)
+        assert time.monotonic() - start < 5
+
+
+def test_the_cli_refuses_bad_endpoints_in_one_line_before_loading(smollm2_path) -> None:
+    closed = free_port()
+    for endpoint, says in (("127.0.0.1", "not HOST:PORT"), (f"127.0.0.1:{closed}", "connection refused")):
+        r = subprocess.run([*CLI, "generate", "-m", str(smollm2_path), "--rpc", endpoint, "-n", "4", PROMPT],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and r.stdout == ""
+        assert r.stderr.startswith("error: ") and says in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_rpc_server_refuses_a_busy_port_and_a_host_name() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        r = subprocess.run([*CLI, "rpc-server", "--port", str(taken.getsockname()[1])], capture_output=True, text=True,
+                           timeout=60)
+    assert r.returncode != 0 and "error: cannot listen at" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = subprocess.run([*CLI, "rpc-server", "--host", "localhost", "--port", str(free_port())], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode != 0 and "IPv4 address" in r.stderr and "WARNING" in r.stderr, r.stderr
+
+
+# --- the target on RPC servers -------------------------------------------------------------------------------------
+
+def test_target_split_over_two_servers_gives_the_same_greedy_text(smollm2_path, reference) -> None:
+    with rpc_servers(2) as (a, b):
+        options = DecoderOptions(n_ctx=512, rpc=(a.endpoint, b.endpoint), tensor_split=(1, 1))
+        with SpeculativeEngine.load(smollm2_path, smollm2_path, options) as engine:
+            assert type(engine.target).__name__ == "IsolatedDecoder"
+            assert type(engine.draft).__name__ == "LlamaCppDecoder"  # the draft stays here
+            buffers = " ".join(engine.target.weight_buffers)  # e.g. "CPU_Mapped RPC0[127.0.0.1:PORT] ..."
+            assert f"[{a.endpoint}]" in buffers and f"[{b.endpoint}]" in buffers, buffers
+            for method, text in reference.items():
+                r = engine.generate(PROMPT, GenerationSettings(max_tokens=24, method=method))
+                assert r.text == text, method
+            assert engine.last_result.stats.accepted > 0  # auto drafted over the network and kept drafts
+
+
+def test_target_split_between_a_server_and_this_machine(smollm2_path, reference) -> None:
+    with rpc_servers(1) as (a,):
+        r = subprocess.run([*CLI, "generate", "-m", str(smollm2_path), "-d", str(smollm2_path), "--rpc", a.endpoint,
+                            "-ngl", "15", "-c", "512", "-n", "24", "--json", "--raw", "--method", "vanilla", PROMPT],
+                           capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["text"] == reference["vanilla"]
+
+
+# --- failures ------------------------------------------------------------------------------------------------------
+
+def _generate_until_killed(smollm2_path: Path, server: RPCServer, how: int, extra: tuple[str, ...] = ()
+                           ) -> tuple[subprocess.CompletedProcess, float]:
+    """`generate` on `server`, which gets signal `how` once the text has started; the run and its seconds after."""
+    proc = subprocess.Popen([*CLI, "generate", "-m", str(smollm2_path), "--rpc", server.endpoint, "-c", "2048",
+                             "-n", "1500", *extra, "Tell me a very long story."],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = proc.stdout.read(40)  # the text has started: the model is loaded and decoding
+    os.kill(server.proc.pid, how)
+    start = time.monotonic()
+    out, err = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, first + out, err), time.monotonic() - start
+
+
+def test_a_server_killed_mid_generation_ends_it_with_the_text_so_far(smollm2_path) -> None:
+    with rpc_servers(1) as (a,):
+        r, seconds = _generate_until_killed(smollm2_path, a, signal.SIGKILL)
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    assert len(r.stdout) >= 40  # what was generated stays printed
+    assert r.stderr.strip().splitlines()[-1].startswith("error: RPC server 127.0.0.1:"), r.stderr
+    assert "Traceback" not in r.stderr and "core dumped" not in r.stderr
+    assert seconds < 30
+
+
+def test_a_stalled_server_is_given_up_on_after_the_timeout(smollm2_path) -> None:
+    with rpc_servers(1) as (a,):
+        r, seconds = _generate_until_killed(smollm2_path, a, signal.SIGSTOP, ("--rpc-timeout", "3"))
+    assert r.returncode == 1 and "no answer from RPC server" in r.stderr and "within 3 s" in r.stderr, r.stderr
+    assert 2.5 < seconds < 30
+
+
+def test_serve_answers_503_while_its_server_is_down_and_recovers_after_a_restart(smollm2_path, reference) -> None:
+    a = RPCServer()
+    server = Server("-m", str(smollm2_path), "--rpc", a.endpoint, "-c", "512", "--rpc-timeout", "10")
+    body = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0}
+    try:
+        status, _, answer = server.request("POST", "/v1/completions", body)
+        assert status == 200 and answer["choices"][0]["text"] == reference["autoregressive"]
+        a.kill()
+        status, headers, answer = server.request("POST", "/v1/completions", body)
+        assert status == 503 and answer["error"]["code"] == "rpc_server_unavailable", answer
+        status, _, health = server.request("GET", "/health")
+        assert status == 503 and "reconnecting" in health["error"], health
+        a = RPCServer(a.port)  # the host is back
+        deadline = time.monotonic() + 120
+        while server.request("GET", "/health")[0] != 200:
+            assert time.monotonic() < deadline, "the server did not recover"
+            time.sleep(0.5)
+        status, _, answer = server.request("POST", "/v1/completions", body)
+        assert status == 200 and answer["choices"][0]["text"] == reference["autoregressive"]
+    finally:
+        log = server.stop()
+        a.kill()
+    assert "Traceback" not in log, log
