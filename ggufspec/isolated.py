@@ -52,7 +52,7 @@ class DecoderProcess:
         self.decoders: list[IsolatedDecoder] = []  # open ones, reopened by recover()
         self.recovering = False
         self._lock = threading.Lock()  # one call at a time on the pipe
-        self._stale = 0  # replies of calls the parent stopped waiting for (Ctrl-C), to drain first
+        self._stale: list[int | None] = []  # handles of calls whose replies the parent stopped waiting for (Ctrl-C)
         self._start()
 
     def _start(self) -> None:
@@ -61,7 +61,7 @@ class DecoderProcess:
         self._proc = ctx.Process(target=_child_main, args=(child,), name="ggufspec-decoders", daemon=True)
         self._proc.start()
         child.close()
-        self._stale, self.failure = 0, None
+        self._stale, self.failure = [], None
 
     @property
     def alive(self) -> bool:
@@ -80,20 +80,25 @@ class DecoderProcess:
         with self._lock:
             if self.failure is not None:
                 raise self.failure
-            try:
-                while self._stale:
-                    self._receive(self.timeout)
-                    self._stale -= 1
-                self._conn.send((handle, name, args, kwargs or {}))
-                status, value = self._receive(timeout or self.timeout, waiting=True)
-            except KeyboardInterrupt:
-                self._stale += 1  # its reply comes later: drained before the next call
-                raise
+            status, value = self._exchange(handle, name, args, kwargs or {}, timeout or self.timeout)
         if status == "error":
             raise value
         return value
 
-    def _receive(self, timeout: float, waiting: bool = False) -> tuple[str, Any]:
+    def _exchange(self, handle: int | None, name: str, args: tuple, kwargs: dict, timeout: float) -> tuple[str, Any]:
+        try:
+            while self._stale:  # a late reply still changed its decoder: mirror that
+                status, value = self._receive(self.timeout)
+                late = self._stale.pop(0)
+                if status == "ok" and late is not None:
+                    next(d for d in self.decoders if d._handle == late)._mirror(value[1])
+            self._conn.send((handle, name, args, kwargs))
+            return self._receive(timeout)
+        except KeyboardInterrupt:
+            self._stale.append(handle)  # its reply comes later: drained before the next call
+            raise
+
+    def _receive(self, timeout: float) -> tuple[str, Any]:
         try:
             ready = self._conn.poll(timeout)
         except (EOFError, OSError):
@@ -101,7 +106,7 @@ class DecoderProcess:
         if not ready:
             self._proc.kill()
             self._proc.join(5)
-            self._fail(f"no answer from {self.label} within {self.timeout:g} s (--rpc-timeout); gave up on them")
+            self._fail(f"no answer from {self.label} within {timeout:g} s (--rpc-timeout); gave up on them")
         try:
             reply = self._conn.recv()
         except (EOFError, OSError):
@@ -110,8 +115,6 @@ class DecoderProcess:
         if reply[0] == "abort":
             self._proc.join(5)
             self._fail(f"{self.label} failed: llama.cpp says {reply[1].strip()!r}")
-        if reply[0] == "error" and not waiting:
-            return "ok", None  # a drained call's error belongs to nobody
         return reply
 
     def _fail(self, why: str) -> None:
@@ -120,12 +123,19 @@ class DecoderProcess:
         raise self.failure
 
     def recover(self) -> None:
-        """A fresh child (the old one killed) with every open decoder loaded again, empty; RPCError if it fails."""
+        """A fresh child (the old one killed) with every open decoder loaded again, empty; RPCError if it fails.
+        Until they are all back, `failure` stays set and other calls wait."""
         with self._lock:
+            failure = self.failure
             self._shutdown()
             self._start()
-        for d in self.decoders:
-            d._attach(self.call(None, "open", (str(d.path), d.asked), timeout=LOAD_SECONDS))
+            self.failure = failure
+            for d in self.decoders:
+                status, value = self._exchange(None, "open", (str(d.path), d.asked), {}, LOAD_SECONDS)
+                if status == "error":
+                    raise value
+                d._attach(value)
+            self.failure = None
 
     def recover_when_back(self, interval: float = 1.0) -> None:
         """In a thread (one at a time): wait until every endpoint answers the handshake, then recover()."""
@@ -141,7 +151,7 @@ class DecoderProcess:
                         check(self.endpoints, timeout=min(5.0, self.timeout))
                         self.recover()
                         return
-                    except RPCError:
+                    except GGUFSpecError:  # not back yet (or failed again while loading): try again
                         time.sleep(interval)
             finally:
                 self.recovering = False

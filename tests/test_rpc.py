@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -17,16 +18,18 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from ggufspec import rpc
-from ggufspec.decoder import DecoderOptions
+from ggufspec.decoder import DecoderOptions, LlamaCppDecoder
 from ggufspec.engine import GenerationSettings, SpeculativeEngine
 from ggufspec.errors import RPCError
+from ggufspec.isolated import DecoderProcess
 
 from test_server import Server
 
-pytestmark = pytest.mark.skipif(not rpc.available(), reason="llama.cpp built without RPC (-DGGML_RPC=on)")
+needs_rpc = pytest.mark.skipif(not rpc.available(), reason="llama.cpp built without RPC (-DGGML_RPC=on)")
 
 PROMPT = "The three primary colors are"
 CLI = [sys.executable, "-m", "ggufspec.cli"]
@@ -88,6 +91,42 @@ def reference(smollm2_path) -> dict[str, str]:
     return out
 
 
+# --- a decoder in a child process (no RPC needed) -------------------------------------------------------------------
+
+def test_an_isolated_decoder_gives_the_logits_and_history_of_one_here(smollm2_path) -> None:
+    options = DecoderOptions(n_ctx=256)
+    process = DecoderProcess(timeout=60)
+    d = process.open(smollm2_path, options)
+    try:
+        with LlamaCppDecoder(smollm2_path, options) as here:
+            tokens = here.vocab.encode("The three primary colors are", add_special=True)
+            assert d.vocab.encode("The three primary colors are", add_special=True) == tokens
+            assert np.array_equal(d.feed(tokens), here.feed(tokens))
+            d.rollback_to(3)
+            here.rollback_to(3)
+            assert np.array_equal(d.feed(tokens[3:5]), here.feed(tokens[3:5]))
+            assert d.history == here.history == tokens[:5] and d.n_decodes == here.n_decodes
+            assert d.metadata("general.architecture") == "llama" and d.n_vocab == here.n_vocab
+            with pytest.raises(AttributeError):
+                d.history = []  # the history is the child's
+    finally:
+        d.close()
+    assert not process.alive  # its last decoder closed it
+
+
+def test_a_reply_left_behind_by_ctrl_c_still_reaches_the_mirror(smollm2_path) -> None:
+    process = DecoderProcess(timeout=60)
+    d = process.open(smollm2_path, DecoderOptions(n_ctx=256))
+    try:
+        tokens = d.vocab.encode("Hello there, friend", add_special=True)
+        process._conn.send((d._handle, "feed", (tokens,), {}))  # as a call whose wait Ctrl-C interrupted
+        process._stale.append(d._handle)
+        d.rollback_to(2)  # drains that reply first
+        assert d.history == tokens[:2]
+    finally:
+        d.close()
+
+
 # --- endpoints, before llama.cpp sees them ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("text, says", [
@@ -137,6 +176,35 @@ def test_a_closed_port_an_http_server_and_a_silent_listener_are_told_apart() -> 
         assert time.monotonic() - start < 5
 
 
+def test_a_server_of_another_protocol_version_is_named() -> None:
+    with socket.socket() as old:
+        old.bind(("127.0.0.1", 0))
+        old.listen(1)
+
+        def answer() -> None:  # HELLO's reply as a version 6.1.0 server sends it
+            conn = old.accept()[0]
+            conn.recv(1 + 8 + 24)
+            conn.sendall(struct.pack("<Q", 28) + bytes([6, 1, 0, 0]) + bytes(24))
+            conn.close()
+
+        threading.Thread(target=answer, daemon=True).start()
+        with pytest.raises(RPCError, match="speaks RPC protocol 6.1.0; this llama.cpp speaks 7.0"):
+            rpc.hello(rpc.Endpoint("127.0.0.1", old.getsockname()[1]))
+
+
+def test_a_build_without_rpc_gets_one_line_naming_the_build_flags(monkeypatch, smollm2_path) -> None:
+    from click.testing import CliRunner
+
+    from ggufspec.cli import main
+
+    monkeypatch.setattr(rpc, "available", lambda: False)
+    for args in (["generate", "-m", str(smollm2_path), "--rpc", "127.0.0.1:50052", "hi"], ["rpc-server"]):
+        r = CliRunner().invoke(main, args)
+        assert r.exit_code == 1 and r.output.startswith("error: this llama.cpp was built without its RPC backend")
+        assert 'CMAKE_ARGS="-DGGML_RPC=on"' in r.output and r.exception is None or isinstance(r.exception, SystemExit)
+
+
+@needs_rpc
 def test_the_cli_refuses_bad_endpoints_in_one_line_before_loading(smollm2_path) -> None:
     closed = free_port()
     for endpoint, says in (("127.0.0.1", "not HOST:PORT"), (f"127.0.0.1:{closed}", "connection refused")):
@@ -147,6 +215,7 @@ def test_the_cli_refuses_bad_endpoints_in_one_line_before_loading(smollm2_path) 
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
+@needs_rpc
 def test_rpc_server_refuses_a_busy_port_and_a_host_name() -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -161,6 +230,7 @@ def test_rpc_server_refuses_a_busy_port_and_a_host_name() -> None:
 
 # --- the target on RPC servers -------------------------------------------------------------------------------------
 
+@needs_rpc
 def test_target_split_over_two_servers_gives_the_same_greedy_text(smollm2_path, reference) -> None:
     with rpc_servers(2) as (a, b):
         options = DecoderOptions(n_ctx=512, rpc=(a.endpoint, b.endpoint), tensor_split=(1, 1))
@@ -175,6 +245,7 @@ def test_target_split_over_two_servers_gives_the_same_greedy_text(smollm2_path, 
             assert engine.last_result.stats.accepted > 0  # auto drafted over the network and kept drafts
 
 
+@needs_rpc
 def test_target_split_between_a_server_and_this_machine(smollm2_path, reference) -> None:
     with rpc_servers(1) as (a,):
         r = subprocess.run([*CLI, "generate", "-m", str(smollm2_path), "-d", str(smollm2_path), "--rpc", a.endpoint,
@@ -199,6 +270,7 @@ def _generate_until_killed(smollm2_path: Path, server: RPCServer, how: int, extr
     return subprocess.CompletedProcess(proc.args, proc.returncode, first + out, err), time.monotonic() - start
 
 
+@needs_rpc
 def test_a_server_killed_mid_generation_ends_it_with_the_text_so_far(smollm2_path) -> None:
     with rpc_servers(1) as (a,):
         r, seconds = _generate_until_killed(smollm2_path, a, signal.SIGKILL)
@@ -209,6 +281,7 @@ def test_a_server_killed_mid_generation_ends_it_with_the_text_so_far(smollm2_pat
     assert seconds < 30
 
 
+@needs_rpc
 def test_a_stalled_server_is_given_up_on_after_the_timeout(smollm2_path) -> None:
     with rpc_servers(1) as (a,):
         r, seconds = _generate_until_killed(smollm2_path, a, signal.SIGSTOP, ("--rpc-timeout", "3"))
@@ -216,6 +289,7 @@ def test_a_stalled_server_is_given_up_on_after_the_timeout(smollm2_path) -> None
     assert 2.5 < seconds < 30
 
 
+@needs_rpc
 def test_serve_answers_503_while_its_server_is_down_and_recovers_after_a_restart(smollm2_path, reference) -> None:
     a = RPCServer()
     server = Server("-m", str(smollm2_path), "--rpc", a.endpoint, "-c", "512", "--rpc-timeout", "10")
