@@ -414,6 +414,8 @@ class _Meter:
         self.target, self.draft, self.stats = target, draft, stats
         self.t0, self.decoded0 = time.perf_counter(), target.n_decoded_tokens
         self.target0 = self.draft0 = 0.0
+        process = getattr(target, "process", None)  # isolated.DecoderProcess: a target on RPC servers
+        stats.rpc_round_trip_ms = process.round_trip * 1e3 if process is not None else 0.0
 
     def prefilled(self) -> None:
         st = self.stats

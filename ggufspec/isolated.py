@@ -51,6 +51,7 @@ class DecoderProcess:
         self.failure: RPCError | None = None
         self.decoders: list[IsolatedDecoder] = []  # open ones, reopened by recover()
         self.recovering = False
+        self.round_trip = 0.0  # seconds: the endpoints' slowest handshake, when open_target made this process
         self._lock = threading.Lock()  # one call at a time on the pipe
         self._stale: list[int | None] = []  # handles of calls whose replies the parent stopped waiting for (Ctrl-C)
         self._start()
@@ -258,7 +259,10 @@ class IsolatedDecoder:
 def open_target(path: str | os.PathLike, options: DecoderOptions, draft_path: str | os.PathLike | None = None,
                 draft_options: DecoderOptions | None = None) -> tuple[IsolatedDecoder, IsolatedDecoder | None]:
     """The target (and the draft too, given draft_options) on options.rpc's servers, in one new DecoderProcess."""
-    process = DecoderProcess(options.rpc_timeout, parse_endpoints(options.rpc))
+    endpoints = parse_endpoints(options.rpc)
+    round_trips = check(endpoints)  # before the child connects: an rpc-server answers one client at a time
+    process = DecoderProcess(options.rpc_timeout, endpoints)
+    process.round_trip = max(round_trips.values())
     try:
         target = process.open(path, options)
         draft = process.open(draft_path, draft_options) if draft_options is not None else None

@@ -21,6 +21,9 @@ class Stats:
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
     method: str = ""
+    # a target on RPC servers: their slowest handshake round trip, measured at load. The link's latency beside the
+    # time per pass; llama.cpp does not say how much of a pass was spent waiting on the network
+    rpc_round_trip_ms: float = 0.0
     # [i]: passes whose draft position i was judged (drafted, all before it kept) / kept
     judged_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
@@ -83,7 +86,9 @@ class Stats:
             by_pos = "/".join(f"{a:.0%}".rstrip("%") for a in self.acceptance_by_position)
             s += f" | acceptance {self.acceptance_rate:.1%} ({self.accepted}/{self.drafted}), by position {by_pos}%"
         t = self.generation_seconds or 1.0
-        return s + (
-            f" | time: target {self.target_seconds / t:.0%}, draft {self.draft_seconds / t:.0%}, "
-            f"engine {self.engine_seconds / t:.0%}"
-        )
+        s += (f" | time: target {self.target_seconds / t:.0%}, draft {self.draft_seconds / t:.0%}, "
+              f"engine {self.engine_seconds / t:.0%}")
+        if self.rpc_round_trip_ms:
+            s += (f" | RPC: {self.target_seconds * 1e3 / max(1, self.target_passes):.1f} ms per target pass, "
+                  f"{self.rpc_round_trip_ms:.2f} ms round trip")
+        return s

@@ -242,7 +242,9 @@ def test_target_split_over_two_servers_gives_the_same_greedy_text(smollm2_path, 
             for method, text in reference.items():
                 r = engine.generate(PROMPT, GenerationSettings(max_tokens=24, method=method))
                 assert r.text == text, method
-            assert engine.last_result.stats.accepted > 0  # auto drafted over the network and kept drafts
+            stats = engine.last_result.stats
+            assert stats.accepted > 0  # auto drafted over the network and kept drafts
+            assert 0 < stats.rpc_round_trip_ms < 1000 and "ms round trip" in stats.line()
 
 
 @needs_rpc
@@ -297,6 +299,7 @@ def test_serve_answers_503_while_its_server_is_down_and_recovers_after_a_restart
     try:
         status, _, answer = server.request("POST", "/v1/completions", body)
         assert status == 200 and answer["choices"][0]["text"] == reference["autoregressive"]
+        assert answer["timings"]["rpc_round_trip_ms"] > 0
         a.kill()
         status, headers, answer = server.request("POST", "/v1/completions", body)
         assert status == 503 and answer["error"]["code"] == "rpc_server_unavailable", answer

@@ -223,6 +223,7 @@ def timings(s: Stats) -> dict[str, Any]:
         "predicted_per_second": s.generation_tps,
         "draft_n": s.drafted, "draft_n_accepted": s.accepted,
         "method": s.method, "target_passes": s.target_passes, "tokens_per_pass": s.mean_accepted_length,
+        **({"rpc_round_trip_ms": s.rpc_round_trip_ms} if s.rpc_round_trip_ms else {}),
     }
 
 
