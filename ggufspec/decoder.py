@@ -453,6 +453,8 @@ class LlamaCppDecoder:
         try:
             with llama_log.interruptible() if abortable else nullcontext():  # rc 2 when Ctrl-C aborted it
                 rc = llama_cpp.llama_decode(self._ctx, self._batch.struct)
+                if rc == 0:  # an asynchronous backend (RPC, CUDA) returns before it computed: its time is the pass's
+                    llama_cpp.llama_synchronize(self._ctx)
         finally:
             self.decode_seconds += time.perf_counter() - t0
             self.n_decodes += 1
@@ -771,6 +773,8 @@ class _SharedContext:
             self._hidden_on = hidden
             llama_cpp.llama_set_embeddings(o._ctx, hidden)
         rc = llama_cpp.llama_decode(o._ctx, o._batch.struct)
+        if rc == 0:
+            llama_cpp.llama_synchronize(o._ctx)  # as in _run_batch: the submissions' seconds include the computation
         o._batch.reset_sequences(n)
         row = 0
         for s in subs:

@@ -13,9 +13,11 @@ the options, and a mirror of the decoder's counters and token history, sent back
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import replace
@@ -57,16 +59,19 @@ class DecoderProcess:
         self._start()
 
     def _start(self) -> None:
-        ctx = multiprocessing.get_context("spawn")  # fork would copy llama.cpp's threads and locks mid-state
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_child_main, args=(child,), name="ggufspec-decoders", daemon=True)
-        self._proc.start()
-        child.close()
+        # a fresh interpreter: fork would copy llama.cpp's threads and locks mid-state, and multiprocessing's spawn
+        # would run the caller's script again in the child where it lacks an `if __name__ == "__main__"` guard
+        ours, theirs = socket.socketpair()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # imports as this process does
+        self._proc = subprocess.Popen([sys.executable, "-m", "ggufspec.isolated", str(theirs.fileno())],
+                                      pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=env)
+        theirs.close()
+        self._conn = Connection(ours.detach())
         self._stale, self.failure = [], None
 
     @property
     def alive(self) -> bool:
-        return self.failure is None and self._proc.is_alive()
+        return self.failure is None and self._proc.poll() is None
 
     def open(self, path: str | os.PathLike, options: DecoderOptions) -> IsolatedDecoder:
         """Load a model in the child (RPCError where its servers fail, the child's own error otherwise)."""
@@ -105,16 +110,15 @@ class DecoderProcess:
         except (EOFError, OSError):
             ready = True
         if not ready:
-            self._proc.kill()
-            self._proc.join(5)
+            self._end(kill=True)
             self._fail(f"no answer from {self.label} within {timeout:g} s (--rpc-timeout); gave up on them")
         try:
             reply = self._conn.recv()
         except (EOFError, OSError):
-            self._proc.join(5)
-            self._fail(f"the process that talks to {self.label} ended (exit status {self._proc.exitcode})")
+            self._end()
+            self._fail(f"the process that talks to {self.label} ended (exit status {self._proc.returncode})")
         if reply[0] == "abort":
-            self._proc.join(5)
+            self._end()
             self._fail(f"{self.label} failed: llama.cpp says {reply[1].strip()!r}")
         return reply
 
@@ -166,16 +170,23 @@ class DecoderProcess:
                 self.failure = RPCError("these decoders are closed")
 
     def _shutdown(self) -> None:
-        if self._proc.is_alive() and self.failure is None:
+        if self._proc.poll() is None and self.failure is None:
             try:
                 self._conn.send(None)  # the child frees its decoders and exits
-                self._proc.join(10)
             except (OSError, ValueError):
                 pass
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(5)
+        self._end(wait=10)
         self._conn.close()
+
+    def _end(self, kill: bool = False, wait: float = 5) -> None:
+        """Wait up to `wait` seconds for the child to exit (after killing it), then kill it."""
+        if kill:
+            self._proc.kill()
+        try:
+            self._proc.wait(wait)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
 
 
 class IsolatedDecoder:
@@ -344,3 +355,7 @@ def _on_abort(conn: Connection) -> None:
     libggml.ggml_set_abort_callback.restype = ctypes.c_void_p
     libggml.ggml_set_abort_callback.argtypes = [callback_type]
     libggml.ggml_set_abort_callback(_on_abort.callback)
+
+
+if __name__ == "__main__":  # DecoderProcess's child: python -m ggufspec.isolated FD
+    _child_main(Connection(int(sys.argv[1])))
