@@ -112,6 +112,22 @@ def run_clients(port: int, clients: int, per_client: int, max_tokens: int, tempe
             "texts": [r["text"] for r in rs]}
 
 
+def emit(row: dict, out) -> None:
+    """One result: printed without its texts, appended whole to `out` (a file or None)."""
+    print(json.dumps({k: v for k, v in row.items() if k != "texts"}), flush=True)
+    if out:
+        out.write(json.dumps(row) + "\n")
+        out.flush()
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--server", action="append", required=True, help="NAME=COMMAND with {port}")
@@ -135,17 +151,9 @@ def main() -> None:
                 for c in (levels if r % 2 == 0 else levels[::-1]):
                     row = {"server": name, "round": r, "temperature": a.temperature, "max_tokens": a.max_tokens,
                            **run_clients(port, c, a.requests_per_client, a.max_tokens, a.temperature)}
-                    line = json.dumps(row)
-                    print(json.dumps({k: v for k, v in row.items() if k != "texts"}), flush=True)
-                    if out:
-                        out.write(line + "\n")
-                        out.flush()
+                    emit(row, out)
         finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop(proc)
 
 
 if __name__ == "__main__":

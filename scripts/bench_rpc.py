@@ -3,7 +3,8 @@
 For each delay: two `ggufspec rpc-server`s on loopback, each behind scripts/delay_relay.py; then each server
 command (with {port} and {rpc}, the relays' endpoints) is started in turn and sent the same streamed
 /v1/completions, one at a time (scripts/bench_parallel.py's client: HumanEval dev and Spec-Bench dev first turns,
-alternating). One JSON line per (delay, server): generated tok/s, time to first token, and the texts.
+alternating). One JSON line per (delay, server): generated tok/s with and without the prompt's prefill (after
+the first token), the median time to first token, and the texts.
 
     python scripts/bench_rpc.py --delays 0,1,5 --requests 4 -n 128 \\
         --server "gg-auto=python -m ggufspec.cli serve -m T.gguf -md D.gguf --rpc {rpc} --port {port}" \\
@@ -13,15 +14,15 @@ alternating). One JSON line per (delay, server): generated tok/s, time to first 
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_parallel import free_port, one_request, run_clients, wait_healthy  # noqa: E402
+from bench_parallel import emit, free_port, one_request, prompts, stop, wait_healthy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,18 +58,17 @@ def main() -> None:
                 try:
                     wait_healthy(port, proc)
                     one_request(port, "Hello", 8, 0.0, 0)  # warm-up
-                    row = {"server": name, "rtt_ms": delay, "max_tokens": a.max_tokens,
-                           **run_clients(port, 1, a.requests, a.max_tokens, 0.0)}
-                    print(json.dumps({k: v for k, v in row.items() if k != "texts"}), flush=True)
-                    if out:
-                        out.write(json.dumps(row) + "\n")
-                        out.flush()
+                    rs = [one_request(port, p, a.max_tokens, 0.0, 1000 + i) for i, p in enumerate(prompts(a.requests))]
+                    row = {"server": name, "rtt_ms": delay, "max_tokens": a.max_tokens, "requests": len(rs),
+                           "tok_s": round(sum(r["tokens"] for r in rs) / sum(r["seconds"] for r in rs), 3),
+                           # after the first token: the speed of generation alone, the prompt's prefill left out
+                           "decode_tok_s": round(sum(r["tokens"] - 1 for r in rs)
+                                                 / sum(r["seconds"] - r["ttft"] for r in rs), 3),
+                           "ttft_median": round(statistics.median(r["ttft"] for r in rs), 3),
+                           "texts": [r["text"] for r in rs]}
+                    emit(row, out)
                 finally:
-                    proc.terminate()
-                    try:
-                        proc.wait(30)
-                    except subprocess.TimeoutExpired:
-                        proc.kill()
+                    stop(proc)
                     time.sleep(1)  # the rpc-servers take their next client once this one has gone
         finally:
             for p in procs:
