@@ -1,5 +1,5 @@
 """Decoders in a child process: `DecoderProcess` holds LlamaCppDecoders, `IsolatedDecoder` is one of them as seen from
-the parent, with the Decoder contract over a pipe.
+the parent, with the Decoder contract over a socket pair.
 
 For models on llama.cpp's RPC devices. ggml-rpc aborts the process whose RPC server dies, stalls past its socket or
 answers garbage; here that process is the child, and the parent gets an RPCError (with llama.cpp's message) from
@@ -13,23 +13,24 @@ the options, and a mirror of the decoder's counters and token history, sent back
 
 from __future__ import annotations
 
+import ctypes
 import os
+import pickle
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 from .decoder import DecoderOptions, LlamaCppDecoder, common_prefix
-from .errors import GGUFSpecError
+from .errors import GGUFSpecError, RPCError
 from .gguf_check import read_header
 from .model import LlamaModel
-from .rpc import Endpoint, RPCError, check, parse_endpoints
+from .rpc import Endpoint, check, parse_endpoints
 
 # the decoder attributes that change with its calls, mirrored in the parent after each one (history: as a diff)
 STATE = ("n_ctx", "n_ubatch", "kv_type", "kv_type_v", "decode_seconds", "n_decodes", "n_decoded_tokens",
@@ -44,15 +45,16 @@ class DecoderProcess:
     """A child process holding decoders (`open`), alive until `close` or until llama.cpp aborts it.
 
     `timeout`: the longest one call (a decode) may take before the child is taken for stalled, killed, and the
-    call fails with RPCError. After a failure every decoder of this process raises it; `restart()` starts a fresh
-    child (the callers open their decoders again)."""
+    call fails with RPCError. After a failure every decoder of this process raises it until `recover()` has started a
+    fresh child and opened them again there (empty)."""
 
     def __init__(self, timeout: float = 60.0, endpoints: tuple[Endpoint, ...] = ()) -> None:
         self.timeout, self.endpoints = timeout, endpoints
-        self.label = f"RPC server{'s' if len(endpoints) > 1 else ''} {', '.join(map(str, endpoints))}"
+        self.label = (f"RPC server{'s' if len(endpoints) > 1 else ''} {', '.join(map(str, endpoints))}" if endpoints
+                      else "the decoders' process")
         self.failure: RPCError | None = None
         self.decoders: list[IsolatedDecoder] = []  # open ones, reopened by recover()
-        self.recovering = False
+        self.recovering = self.closed = False
         self.round_trip = 0.0  # seconds: the endpoints' slowest handshake, when open_target made this process
         self._lock = threading.Lock()  # one call at a time on the pipe
         self._stale: list[int | None] = []  # handles of calls whose replies the parent stopped waiting for (Ctrl-C)
@@ -131,6 +133,8 @@ class DecoderProcess:
         """A fresh child (the old one killed) with every open decoder loaded again, empty; RPCError if it fails.
         Until they are all back, `failure` stays set and other calls wait."""
         with self._lock:
+            if self.closed:
+                raise RPCError("these decoders are closed")
             failure = self.failure
             self._shutdown()
             self._start()
@@ -151,7 +155,7 @@ class DecoderProcess:
 
         def attempt() -> None:
             try:
-                while True:
+                while not self.closed:
                     try:
                         check(self.endpoints, timeout=min(5.0, self.timeout))
                         self.recover()
@@ -166,6 +170,7 @@ class DecoderProcess:
     def close(self) -> None:
         with self._lock:
             self._shutdown()
+            self.closed = True
             if self.failure is None:
                 self.failure = RPCError("these decoders are closed")
 
@@ -193,7 +198,7 @@ class IsolatedDecoder:
     """A LlamaCppDecoder living in a DecoderProcess: the same methods and attributes (arrays come back as copies,
     never views), and RPCError from any call once the child has failed.
 
-    Closing it frees the child's decoder; the child itself belongs to whoever made the DecoderProcess."""
+    Closing it frees the child's decoder; closing the last decoder of a DecoderProcess ends that process."""
 
     def __init__(self, process: DecoderProcess, info: dict, path: str | os.PathLike, options: DecoderOptions) -> None:
         d = self.__dict__  # __setattr__ forwards SETTABLE names to the child
@@ -303,7 +308,7 @@ def _child_main(conn: Connection) -> None:
         try:
             if handle is None:  # open
                 path, options = args
-                d = LlamaCppDecoder(path, replace(options))
+                d = LlamaCppDecoder(path, options)
                 handle = len(decoders) + 1
                 decoders[handle], sent[handle] = d, []
                 value: Any = {"handle": handle, "options": d.options, **{n: getattr(d, n) for n in STATIC},
@@ -328,8 +333,6 @@ def _state(d: LlamaCppDecoder, sent: list[int]) -> dict:
 
 
 def _picklable(e: Exception) -> bool:
-    import pickle
-
     try:
         pickle.loads(pickle.dumps(e))
         return True
@@ -337,13 +340,14 @@ def _picklable(e: Exception) -> bool:
         return False
 
 
+_ABORT_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
+_abort_callback = None  # kept alive: llama.cpp holds the pointer
+
+
 def _on_abort(conn: Connection) -> None:
     """llama.cpp's abort callback: tell the parent why, and end without SIGABRT (no core dump, no backtrace)."""
-    import ctypes
-
+    global _abort_callback
     from llama_cpp._ggml import libggml
-
-    callback_type = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
 
     def report(message: bytes) -> None:
         try:
@@ -351,10 +355,10 @@ def _on_abort(conn: Connection) -> None:
         finally:
             os._exit(_ABORTED)
 
-    _on_abort.callback = callback_type(report)  # kept alive: llama.cpp holds the pointer
+    _abort_callback = _ABORT_CALLBACK(report)
     libggml.ggml_set_abort_callback.restype = ctypes.c_void_p
-    libggml.ggml_set_abort_callback.argtypes = [callback_type]
-    libggml.ggml_set_abort_callback(_on_abort.callback)
+    libggml.ggml_set_abort_callback.argtypes = [_ABORT_CALLBACK]
+    libggml.ggml_set_abort_callback(_abort_callback)
 
 
 if __name__ == "__main__":  # DecoderProcess's child: python -m ggufspec.isolated FD

@@ -22,8 +22,8 @@ import llama_cpp
 
 from .errors import RPCError
 
-# ggml-rpc.h (llama.cpp as llama-cpp-python 0.3.36 vendors it): a server answers a client of the same major
-# version whose minor version is at least the server's
+# ggml-rpc.h (llama.cpp as llama-cpp-python 0.3.36 vendors it): a client accepts a server of its major version
+# and of a minor version no higher than its own
 PROTO_MAJOR, PROTO_MINOR = 7, 0
 _HELLO = 14  # RPC_CMD_HELLO: "must be always 14"
 _CAPS = 24  # RPC_CONN_CAPS_SIZE: transport capabilities, all zero for plain TCP

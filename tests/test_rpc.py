@@ -248,6 +248,17 @@ def test_target_split_over_two_servers_gives_the_same_greedy_text(smollm2_path, 
 
 
 @needs_rpc
+def test_rpc_draft_puts_the_draft_on_the_same_server_connection(smollm2_path, reference) -> None:
+    with rpc_servers(1) as (a,):
+        options = DecoderOptions(n_ctx=512, rpc=(a.endpoint,), rpc_draft=True)
+        with SpeculativeEngine.load(smollm2_path, smollm2_path, options) as engine:
+            assert engine.draft.process is engine.target.process  # an rpc-server serves one connection at a time
+            assert any(a.endpoint in name for name in engine.draft.weight_buffers), engine.draft.weight_buffers
+            r = engine.generate(PROMPT, GenerationSettings(max_tokens=24, method="vanilla"))
+            assert r.text == reference["vanilla"] and r.stats.accepted > 0
+
+
+@needs_rpc
 def test_target_split_between_a_server_and_this_machine(smollm2_path, reference) -> None:
     with rpc_servers(1) as (a,):
         r = subprocess.run([*CLI, "generate", "-m", str(smollm2_path), "-d", str(smollm2_path), "--rpc", a.endpoint,
