@@ -201,7 +201,8 @@ def test_a_build_without_rpc_gets_one_line_naming_the_build_flags(monkeypatch, s
     for args in (["generate", "-m", str(smollm2_path), "--rpc", "127.0.0.1:50052", "hi"], ["rpc-server"]):
         r = CliRunner().invoke(main, args)
         assert r.exit_code == 1 and r.output.startswith("error: this llama.cpp was built without its RPC backend")
-        assert 'CMAKE_ARGS="-DGGML_RPC=on"' in r.output and r.exception is None or isinstance(r.exception, SystemExit)
+        assert 'CMAKE_ARGS="-DGGML_RPC=on"' in r.output and "Traceback" not in r.output, r.output
+        assert len(r.output.strip().splitlines()) == 1, r.output
 
 
 @needs_rpc
