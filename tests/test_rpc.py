@@ -240,12 +240,15 @@ def test_target_split_over_two_servers_gives_the_same_greedy_text(smollm2_path, 
             assert type(engine.draft).__name__ == "LlamaCppDecoder"  # the draft stays here
             buffers = " ".join(engine.target.weight_buffers)  # e.g. "CPU_Mapped RPC0[127.0.0.1:PORT] ..."
             assert f"[{a.endpoint}]" in buffers and f"[{b.endpoint}]" in buffers, buffers
+            stats = {}
             for method, text in reference.items():
                 r = engine.generate(PROMPT, GenerationSettings(max_tokens=24, method=method))
                 assert r.text == text, method
-            stats = engine.last_result.stats
-            assert stats.accepted > 0  # auto drafted over the network and kept drafts
-            assert 0 < stats.rpc_round_trip_ms < 1000 and "ms round trip" in stats.line()
+                stats[method] = r.stats
+            # vanilla verified drafts over the network and kept some (auto may rightly not draft: a 135M target is
+            # compute-bound, and whether drafting pays depends on the machine's measured costs)
+            assert stats["vanilla"].accepted > 0
+            assert 0 < stats["auto"].rpc_round_trip_ms < 1000 and "ms round trip" in stats["auto"].line()
 
 
 @needs_rpc
