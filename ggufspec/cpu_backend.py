@@ -16,6 +16,7 @@ from functools import cache
 import llama_cpp
 
 from .errors import GGUFSpecError
+from .ggml_api import DEV_CPU, ggml, proc
 
 # Buffer types whose kernels crash the process in llama-cpp-python 0.3.36 as pip builds it, and why.
 BROKEN = {
@@ -26,7 +27,6 @@ ALLOW_ENV = "GGUFSPEC_ALLOW_{}"  # GGUFSPEC_ALLOW_AMX=1 keeps AMX, for a llama.c
 REBUILD = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON '
            '-DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON" '
            "pip install --force-reinstall --no-cache-dir llama-cpp-python==0.3.36")
-_CPU_DEVICE = 0  # GGML_BACKEND_DEVICE_TYPE_CPU
 
 
 @dataclass(frozen=True)
@@ -42,29 +42,13 @@ class CpuBackend:
         return tuple(n for n in self.offered if n not in self.dropped)
 
 
-def _ggml():
-    from llama_cpp._ggml import libggml as g  # llama-cpp-python's handle on libggml (and, through it, ggml-base)
-
-    vp = ctypes.c_void_p
-    for name, restype, argtypes in (
-        ("ggml_backend_dev_by_type", vp, [ctypes.c_int]),
-        ("ggml_backend_dev_backend_reg", vp, [vp]),
-        ("ggml_backend_reg_get_proc_address", vp, [vp, ctypes.c_char_p]),
-        ("ggml_backend_buft_name", ctypes.c_char_p, [vp]),
-    ):
-        fn = getattr(g, name)
-        fn.restype, fn.argtypes = restype, argtypes
-    return g
-
-
 def _extra_bufts():
     """The CPU device's NULL-terminated array of extra buffer types (llama.cpp reads it at every model load)."""
-    g = _ggml()
-    dev = g.ggml_backend_dev_by_type(_CPU_DEVICE)
-    fn = g.ggml_backend_reg_get_proc_address(g.ggml_backend_dev_backend_reg(dev), b"ggml_backend_dev_get_extra_bufts") if dev else None
-    if not fn:
-        return g, None
-    return g, ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)(fn)(dev)
+    g = ggml()
+    dev = g.ggml_backend_dev_by_type(DEV_CPU)
+    fn = proc(g.ggml_backend_dev_backend_reg(dev) if dev else None, "ggml_backend_dev_get_extra_bufts",
+              ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)
+    return g, fn(dev) if fn else None
 
 
 def _names(g, arr) -> list[str]:

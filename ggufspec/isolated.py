@@ -13,7 +13,6 @@ the options, and a mirror of the decoder's counters and token history, sent back
 
 from __future__ import annotations
 
-import ctypes
 import os
 import pickle
 import signal
@@ -28,6 +27,7 @@ from typing import Any
 
 from .decoder import DecoderOptions, LlamaCppDecoder, common_prefix
 from .errors import GGUFSpecError, RPCError
+from .ggml_api import ABORT_CALLBACK, ggml
 from .gguf_check import read_header
 from .model import LlamaModel
 from .rpc import Endpoint, check, parse_endpoints
@@ -340,14 +340,12 @@ def _picklable(e: Exception) -> bool:
         return False
 
 
-_ABORT_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
 _abort_callback = None  # kept alive: llama.cpp holds the pointer
 
 
 def _on_abort(conn: Connection) -> None:
     """llama.cpp's abort callback: tell the parent why, and end without SIGABRT (no core dump, no backtrace)."""
     global _abort_callback
-    from llama_cpp._ggml import libggml
 
     def report(message: bytes) -> None:
         try:
@@ -355,10 +353,8 @@ def _on_abort(conn: Connection) -> None:
         finally:
             os._exit(_ABORTED)
 
-    _abort_callback = _ABORT_CALLBACK(report)
-    libggml.ggml_set_abort_callback.restype = ctypes.c_void_p
-    libggml.ggml_set_abort_callback.argtypes = [_ABORT_CALLBACK]
-    libggml.ggml_set_abort_callback(_abort_callback)
+    _abort_callback = ABORT_CALLBACK(report)
+    ggml().ggml_set_abort_callback(_abort_callback)
 
 
 if __name__ == "__main__":  # DecoderProcess's child: python -m ggufspec.isolated FD

@@ -21,6 +21,8 @@ from functools import cache
 import llama_cpp
 
 from .errors import RPCError
+from .ggml_api import DEV_CPU, DEV_GPU, DEV_IGPU, ggml, proc
+from .ggml_api import devices as ggml_devices
 
 # ggml-rpc.h (llama.cpp as llama-cpp-python 0.3.36 vendors it): a client accepts a server of its major version
 # and of a minor version no higher than its own
@@ -135,42 +137,21 @@ def require() -> None:
         raise RPCError(f"this llama.cpp was built without its RPC backend: {BUILD_HINT}.")
 
 
-def _ggml():
-    from llama_cpp._ggml import libggml as g  # llama-cpp-python's handle on libggml
-
-    vp = ctypes.c_void_p
-    for name, restype, argtypes in (
-        ("ggml_backend_reg_by_name", vp, [ctypes.c_char_p]),
-        ("ggml_backend_reg_get_proc_address", vp, [vp, ctypes.c_char_p]),
-        ("ggml_backend_reg_dev_count", ctypes.c_size_t, [vp]),
-        ("ggml_backend_reg_dev_get", vp, [vp, ctypes.c_size_t]),
-        ("ggml_backend_dev_count", ctypes.c_size_t, []),
-        ("ggml_backend_dev_get", vp, [ctypes.c_size_t]),
-        ("ggml_backend_dev_type", ctypes.c_int, [vp]),
-        ("ggml_backend_dev_by_type", vp, [ctypes.c_int]),
-    ):
-        fn = getattr(g, name)
-        fn.restype, fn.argtypes = restype, argtypes
-    return g
-
-
-def _rpc_function(name: str, restype, argtypes):
-    """A function of ggml-rpc, found as llama.cpp's tools find it (through the "RPC" backend registry)."""
+def _rpc_function(name: str, restype, *argtypes):
+    """A function of ggml-rpc, found through the "RPC" backend registry."""
     require()
-    g = _ggml()
-    reg = g.ggml_backend_reg_by_name(b"RPC")
-    address = g.ggml_backend_reg_get_proc_address(reg, name.encode()) if reg else None
-    if not address:
+    fn = proc(ggml().ggml_backend_reg_by_name(b"RPC"), name, restype, *argtypes)
+    if fn is None:
         raise RPCError(f"this llama.cpp's RPC backend has no {name}.")
-    return ctypes.CFUNCTYPE(restype, *argtypes)(address)
+    return fn
 
 
 def devices(endpoints: tuple[Endpoint, ...]) -> list[int]:
     """The devices of these servers (one or more each, in order), as ggml_backend_dev_t addresses.
 
     Connects through ggml-rpc, which aborts this process if a server is gone: only for a process that may die."""
-    add_server = _rpc_function("ggml_backend_rpc_add_server", ctypes.c_void_p, [ctypes.c_char_p])
-    g = _ggml()
+    add_server = _rpc_function("ggml_backend_rpc_add_server", ctypes.c_void_p, ctypes.c_char_p)
+    g = ggml()
     out: list[int] = []
     for ep in endpoints:
         reg = add_server(str(ep).encode())
@@ -180,14 +161,9 @@ def devices(endpoints: tuple[Endpoint, ...]) -> list[int]:
     return out
 
 
-_CPU, _GPU, _IGPU, _ACCEL = 0, 1, 2, 3  # enum ggml_backend_dev_type
-
-
 def local_gpus() -> list[int]:
     """This build's GPU devices (ggml_backend_dev_t addresses), RPC ones excluded (they are added, not built in)."""
-    g = _ggml()
-    local = [g.ggml_backend_dev_get(i) for i in range(g.ggml_backend_dev_count())]
-    return [d for d in local if g.ggml_backend_dev_type(d) in (_GPU, _IGPU)]
+    return [d for d in ggml_devices() if ggml().ggml_backend_dev_type(d) in (DEV_GPU, DEV_IGPU)]
 
 
 def serve(ep: Endpoint, threads: int, cache_dir: str | None = None) -> None:
@@ -205,8 +181,8 @@ def serve(ep: Endpoint, threads: int, cache_dir: str | None = None) -> None:
         except OSError as e:
             raise RPCError(f"cannot listen at {ep}: {e.strerror or e}.") from None
     start = _rpc_function("ggml_backend_rpc_start_server", None,
-                          [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_void_p])
-    chosen = local_gpus() or [_ggml().ggml_backend_dev_by_type(_CPU)]
+                          ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_void_p)
+    chosen = local_gpus() or [ggml().ggml_backend_dev_by_type(DEV_CPU)]
     array = (ctypes.c_void_p * len(chosen))(*chosen)
     sys.stdout.flush()
     start(str(ep).encode(), cache_dir.encode() if cache_dir else None, threads, len(chosen), array)
