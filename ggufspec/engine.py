@@ -13,7 +13,6 @@ from typing import Literal
 
 import numpy as np
 
-from . import rpc
 from .chat import Message, chat_tokens, prestart
 from .costs import CostModel, cached_measure
 from .decoder import DecoderOptions, LlamaCppDecoder
@@ -157,8 +156,7 @@ class SpeculativeEngine:
         if headers[0].metadata.get("tokenizer.chat_template"):
             prestart()  # the template's renderer process starts while the models load
         local = list(zip(paths, headers))
-        if options.remote:
-            rpc.check(rpc.parse_endpoints(options.rpc))  # an RPCError here, not an abort in llama.cpp
+        if options.remote:  # its endpoints are checked as it opens (isolated.open_target), before anything loads
             local = local[1:] if not options.rpc_draft else []  # the weights on RPC servers are theirs to hold
         if options.memory_check and not options.offloads and local:
             extra = heads_memory(medusa_path, headers[0], medusa_vocab) if medusa_path is not None else []
@@ -176,16 +174,13 @@ class SpeculativeEngine:
         if options.remote:
             on_rpc = options.rpc_draft and draft_path is not None
             target, draft = open_target(target_path, target_options, draft_path, options if on_rpc else None)
-            if draft_path is not None and draft is None:
-                try:
-                    draft = LlamaCppDecoder(draft_path, replace(options, rpc=(), tensor_split=()))
-                except BaseException:
-                    target.close()
-                    raise
+            options = replace(options, rpc=(), tensor_split=())  # a draft not opened there: on this machine
+        else:
+            target, draft = LlamaCppDecoder(target_path, target_options), None
+        if draft_path is None or draft is not None:
             return target, draft  # type: ignore[return-value]
-        target = LlamaCppDecoder(target_path, target_options)
         try:
-            return target, LlamaCppDecoder(draft_path, options) if draft_path is not None else None
+            return target, LlamaCppDecoder(draft_path, options)
         except BaseException:
             target.close()
             raise
