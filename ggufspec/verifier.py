@@ -9,6 +9,7 @@ exactly as the target's own sampling. Medusa's typical acceptance (opt-in) is th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,20 +54,40 @@ def accept_greedy(target_logits: np.ndarray, drafts: list[int]) -> list[int]:
     return drafts[:n] + [int(best[n])]
 
 
-def accept_sampled(p: np.ndarray, q: np.ndarray, drafts: list[int], rng: np.random.Generator) -> list[int]:
-    """Rejection sampling: p is (k+1, V) from the target, q is (k, V) from the drafter.
+def accept_sampled(p: Sequence[np.ndarray], q: np.ndarray | None, drafts: list[int],
+                   rng: np.random.Generator) -> list[int]:
+    """Rejection sampling: p[i] is the target's distribution at position i (k+1 rows: an array, or rows made on
+    demand, see TargetRows), q is (k, V) from the drafter, None for point-mass guesses (lookup's, greedy drafts).
 
     Draft token i survives with probability min(1, p_i/q_i); the first rejected position
     is resampled from norm(max(0, p - q)); if all survive, a bonus token comes from p[k].
     The result is distributed exactly as sampling from p token by token.
     """
     k = len(drafts)
-    rows = np.arange(k)
-    px, qx = p[rows, drafts], q[rows, drafts]
-    kept = rng.random(k) * qx <= px
-    n = k if kept.all() else int(np.argmin(kept))
-    dist = np.maximum(p[n] - q[n], 0.0) if n < k else p[k]
-    return drafts[:n] + [sample(dist, rng)]
+    u = rng.random(k)  # all k drawn at once, whatever is kept: a seed repeats earlier versions' runs
+    for n, x in enumerate(drafts):
+        pn = p[n]
+        qx = 1.0 if q is None else q[n, x]
+        if u[n] * qx <= pn[x]:
+            continue
+        if q is None:  # max(0, p - onehot(x)): p without x
+            rest = pn.copy()
+            rest[x] = 0.0
+        else:
+            rest = np.maximum(pn - q[n], 0.0)
+        return drafts[:n] + [sample(rest, rng)]
+    return drafts + [sample(p[k], rng)]
+
+
+class TargetRows:
+    """The target's transformed distribution per row of `logits`, computed when first read: a rejection at
+    position n leaves rows after n unread (each is a softmax over the vocabulary)."""
+
+    def __init__(self, logits: np.ndarray, params: SamplingParams) -> None:
+        self.logits, self.params = logits, params
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return probabilities(self.logits[i], self.params)
 
 
 def walk_typical(
@@ -82,13 +103,6 @@ def walk_typical(
     accepted = ~(tree.ancestors & ~ok).any(axis=1)
     node = int(np.argmax(np.where(accepted, tree.depth, -1)))
     return tree.path(node), pick(logits[node], params, rng)
-
-
-def point_mass(tokens: list[int], n_vocab: int) -> np.ndarray:
-    """One-hot rows: the q of guesses made without sampling (lookup's, or greedy drafts verified while sampling)."""
-    q = np.zeros((len(tokens), n_vocab))
-    q[np.arange(len(tokens)), tokens] = 1.0
-    return q
 
 
 def pad_vocab(q: np.ndarray, n_vocab: int) -> np.ndarray:
@@ -150,8 +164,7 @@ class Verifier:
         elif params.greedy:
             new = accept_greedy(logits, drafts)
         else:
-            p = probabilities(logits, params)
-            q = point_mass(drafts, p.shape[-1]) if draft.q is None else pad_vocab(draft.q, p.shape[-1])
-            new = accept_sampled(p, q, drafts, self.rng)
+            q = None if draft.q is None else pad_vocab(draft.q, logits.shape[-1])
+            new = accept_sampled(TargetRows(logits, params), q, drafts, self.rng)
         t.rollback_to(len(t.history) - len(drafts) + len(new) - 1)
         return new

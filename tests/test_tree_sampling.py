@@ -40,7 +40,8 @@ def chi_square_p(counts: Counter, expected: dict, n: int) -> float:
     if rest_e > 0:
         obs.append(rest_o)
         exp.append(rest_e)
-    exp = np.array(exp) * sum(obs) / sum(exp)
+    exp = np.array(exp, dtype=np.float64)
+    exp *= sum(obs) / exp.sum()  # float64: chisquare wants the sums equal to 1.5e-8
     return float(chisquare(obs, exp).pvalue)
 
 
