@@ -8,6 +8,7 @@ them; rolling back removes KV entries. Every position is decoded once unless rol
 from __future__ import annotations
 
 import copy
+import ctypes
 import os
 import time
 from contextlib import AbstractContextManager, nullcontext
@@ -296,6 +297,7 @@ class LlamaCppDecoder:
         self._n_out = 0  # rows of hidden states the last decode computed
         self._hidden_on = opts.embeddings
         self._abort_on = False  # llama_log.abort_check installed: see ABORTABLE_BATCH
+        self._views: dict[tuple[int, int], np.ndarray] = {}  # see _logits
         self._skip = 0  # leading rows of the last decode that were deferred tokens, not asked for
         self._deferred: list[int] = []
         self._unrecorded = False  # a decode's cells may be in the KV cache without being in the history
@@ -430,7 +432,7 @@ class LlamaCppDecoder:
         if rc != 0:
             # llama.cpp leaves no partial batch in the KV on failure; the history stays as it was.
             raise GGUFSpecError(f"llama_decode failed with code {rc} at position {len(self.history)}")
-        self.history.extend(int(t) for t in tokens)
+        self.history.extend(map(int, tokens))
         self._unrecorded = False
         self._n_out = len(tokens) if hidden else 0  # hidden: every token's row, or the one token's
         self._skip = 0
@@ -451,10 +453,13 @@ class LlamaCppDecoder:
         t0 = time.perf_counter()
         self._unrecorded = True
         try:
-            with llama_log.interruptible() if abortable else nullcontext():  # rc 2 when Ctrl-C aborted it
+            if abortable:
+                with llama_log.interruptible():  # rc 2 when Ctrl-C aborted it
+                    rc = llama_cpp.llama_decode(self._ctx, self._batch.struct)
+            else:
                 rc = llama_cpp.llama_decode(self._ctx, self._batch.struct)
-                if rc == 0:  # an asynchronous backend (RPC, CUDA) returns before it computed: its time is the pass's
-                    llama_cpp.llama_synchronize(self._ctx)
+            if rc == 0:  # an asynchronous backend (RPC, CUDA) returns before it computed: its time is the pass's
+                llama_cpp.llama_synchronize(self._ctx)
         finally:
             self.decode_seconds += time.perf_counter() - t0
             self.n_decodes += 1
@@ -466,11 +471,18 @@ class LlamaCppDecoder:
         if self.shared:
             return self._sub.logits  # the rows it asked for, copied: n_rows of them
         ptr = llama_cpp.llama_get_logits(self._ctx)
-        rows = np.ctypeslib.as_array(ptr, shape=(n_rows, self.n_vocab))
-        if not view:
-            return rows.copy()
-        rows.flags.writeable = False  # llama.cpp's buffer: readers only
-        return rows
+        if not ptr:
+            raise GGUFSpecError("llama.cpp returned no logits for this batch")
+        # a view per buffer address and row count, made once: np.ctypeslib.as_array cost 30 us a pass after a decode
+        # (docs/engine-overhead.md). The buffer at that address holds at least the n_rows this decode wrote
+        key = (ctypes.addressof(ptr.contents), n_rows)
+        rows = self._views.get(key)
+        if rows is None:
+            if len(self._views) > 64:
+                self._views.clear()
+            rows = self._views[key] = np.ctypeslib.as_array(ptr, shape=(n_rows, self.n_vocab))
+            rows.flags.writeable = False  # llama.cpp's buffer: readers only
+        return rows if view else rows.copy()
 
     def sync(self, tokens: Sequence[int], view: bool = False) -> np.ndarray:
         tokens = list(tokens)
