@@ -390,16 +390,17 @@ class LlamaCppDecoder:
     def feed(self, tokens: Sequence[int], all_logits: bool = True, view: bool = False) -> np.ndarray:
         if len(tokens) == 0:
             raise ValueError("feed needs at least one token")
-        self._end_tree()
-        pre = self._take_deferred()
+        if self._tree is not None:
+            self._end_tree()
+        pre = self._take_deferred() if self._deferred else []
         base = len(self.history)
         try:
-            rows = self._feed([*pre, *tokens], all_logits, view)
+            rows = self._feed([*pre, *tokens] if pre else tokens, all_logits, view)
         except BaseException:
             self._restore_deferred(pre, base)
             raise
         self._skip = len(pre) if all_logits and len(pre) + len(tokens) <= self.options.n_batch else 0
-        return rows[len(pre):] if all_logits else rows
+        return rows[len(pre):] if all_logits and pre else rows
 
     def _feed(self, tokens: Sequence[int], all_logits: bool, view: bool) -> np.ndarray:
         n = len(tokens)
@@ -410,6 +411,9 @@ class LlamaCppDecoder:
                 )
             self.shift(n)
         step = self.options.n_batch
+        if n <= step:  # one batch (every step of a generation)
+            self._decode(tokens, all_logits)
+            return self._logits(n if all_logits else 1, view)
         rows = []
         for start in range(0, n, step):
             chunk = tokens[start : start + step]

@@ -27,7 +27,7 @@ def generate_steps(
     prefilled()
     hidden = None  # the target's hidden state at the row that picked `last` (none before the first pass)
     while limit > 0:
-        state = Context(verifier.history + [last], hidden)
+        state = Context.after(verifier.history, last, hidden)
         plan = policy.plan(state, limit, verifier.deferred)
         proposer = proposers.get(plan.source) if plan.source else None
         before = replace(proposer.counters) if proposer is not None else None

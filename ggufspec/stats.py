@@ -31,6 +31,8 @@ class Stats:
     def record(self, drafted: int, accepted: int) -> None:
         """One target pass that verified `drafted` tokens and kept the first `accepted` of them."""
         self.target_passes += 1
+        if not drafted:
+            return
         self.drafted += drafted
         self.accepted += accepted
         judged = min(drafted, accepted + 1)

@@ -12,13 +12,22 @@ class TextStream:
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._stop = tuple(s for s in stop if s)
         self._held = ""  # text that may be the start of a stop string
-        self.text = ""  # everything emitted so far
+        self._pieces: list[str] = []  # everything emitted so far (joined on demand: += on a long text is quadratic)
         self.stopped = False
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far."""
+        return "".join(self._pieces)
 
     def push(self, data: bytes) -> str:
         """Add one token's bytes; return the newly showable text."""
         if self.stopped:
             return ""
+        if not self._stop:
+            piece = self._utf8.decode(data)
+            self._pieces.append(piece)
+            return piece
         self._held += self._utf8.decode(data)
         cut = min((i for i in (self._held.find(s) for s in self._stop) if i >= 0), default=-1)
         if cut >= 0:
@@ -36,5 +45,5 @@ class TextStream:
 
     def _emit(self, piece: str) -> str:
         self._held = self._held[len(piece):]
-        self.text += piece
+        self._pieces.append(piece)
         return piece

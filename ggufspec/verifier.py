@@ -158,10 +158,10 @@ class Verifier:
 
     def _chain(self, last: int, draft: Draft) -> list[int]:
         t, params, drafts = self.target, self.params, draft.tokens
+        if not drafts:  # a plain step: nothing to judge, nothing to roll back
+            return [pick(t.feed([last], view=True)[-1], params, self.rng)]
         logits = t.feed([last, *drafts], view=True)
-        if not drafts:
-            new = [pick(logits[-1], params, self.rng)]
-        elif params.greedy:
+        if params.greedy:
             new = accept_greedy(logits, drafts)
         else:
             q = None if draft.q is None else pad_vocab(draft.q, logits.shape[-1])

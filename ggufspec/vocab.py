@@ -27,6 +27,8 @@ class Vocab:
         self.pieces_cover_text = llama_cpp.llama_vocab_type(self._vocab) in (llama_cpp.LLAMA_VOCAB_TYPE_SPM,
                                                                              llama_cpp.LLAMA_VOCAB_TYPE_BPE)
         self._local = threading.local()  # each thread's piece buffer: a pool's slots render their tokens at once
+        self._pieces: dict[int, bytes] = {}  # token -> piece; -token-1 -> its special rendering (see piece)
+        self._eog: dict[int, bool] = {}
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
         """Token ids of `text`; add_special adds BOS/EOS as the GGUF asks; parse_special reads <|tags|>."""
@@ -67,6 +69,10 @@ class Vocab:
 
     def piece(self, token: int, special: bool = False) -> bytes:
         """The bytes token `token` stands for; special tokens render as text only when `special`."""
+        key = -token - 1 if special else token  # one memo for both renderings (a ctypes call cost ~10 us a token)
+        cached = self._pieces.get(key)
+        if cached is not None:
+            return cached
         buf = getattr(self._local, "buf", None)
         if buf is None:
             buf = self._local.buf = ctypes.create_string_buffer(256)
@@ -74,7 +80,8 @@ class Vocab:
         if n < 0:
             buf = ctypes.create_string_buffer(-n)
             n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
-        return buf.raw[:n]
+        piece = self._pieces[key] = buf.raw[:n]
+        return piece
 
     def text(self, token: int) -> bytes:
         """The token's raw text as stored in the GGUF (what pairing compares)."""
@@ -85,7 +92,10 @@ class Vocab:
 
     def is_eog(self, token: int) -> bool:
         """End of generation: EOS, EOT, or a chat template's end token such as <|im_end|>."""
-        return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
+        eog = self._eog.get(token)
+        if eog is None:
+            eog = self._eog[token] = bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
+        return eog
 
     @cached_property
     def eog_ids(self) -> frozenset[int]:

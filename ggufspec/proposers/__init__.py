@@ -21,13 +21,29 @@ if TYPE_CHECKING:
     from ..medusa.heads import Heads
 
 
-@dataclass(frozen=True)
 class Context:
     """What a proposer may read: the tokens so far, the last not yet decoded by the target, and the target's
     hidden state at the position that picked that last token (None before the first verification)."""
 
-    tokens: list[int]  # (n,) prompt and committed tokens
-    hidden: np.ndarray | None = None  # (H,) float32
+    __slots__ = ("_history", "_last", "_tokens", "hidden")
+
+    def __init__(self, tokens: list[int], hidden: np.ndarray | None = None) -> None:
+        self._tokens: list[int] | None = tokens  # (n,) prompt and committed tokens
+        self.hidden = hidden  # (H,) float32
+
+    @classmethod
+    def after(cls, history: list[int], last: int, hidden: np.ndarray | None = None) -> Context:
+        """`history` then `last`, joined when first read: a plain step reads nothing, and the copy is O(context).
+        `history` must not change while the context is in use (the step's plan and proposal)."""
+        context = cls([], hidden)
+        context._tokens, context._history, context._last = None, history, last
+        return context
+
+    @property
+    def tokens(self) -> list[int]:
+        if self._tokens is None:
+            self._tokens = self._history + [self._last]
+        return self._tokens
 
 
 @dataclass(frozen=True)
