@@ -820,7 +820,10 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
         return n
-    return int(np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))[0])
+    head = max(0, n - 32)  # they mostly part near the end (a draft catching up on a pass): no arrays then
+    if a[:head] == b[:head]:
+        return next(i for i in range(head, n) if a[i] != b[i])
+    return int(np.flatnonzero(np.asarray(a[:head]) != np.asarray(b[:head]))[0])
 
 
 @dataclass
