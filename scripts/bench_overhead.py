@@ -1,0 +1,177 @@
+"""What ggufspec spends outside llama.cpp per target pass, on a model that decodes in about a millisecond.
+
+For each method and temperature it generates from HumanEval and Spec-Bench dev prompts and times every pass: the
+wall time from one pass's first committed token to the next's, minus both models' llama.cpp decode time (which
+ends with llama_synchronize). What is left is Python, numpy, ctypes, logits reads, sampling, acceptance,
+detokenizing and bookkeeping: the engine's share. It prints the distribution (p50/p90/p99 in microseconds) and the
+share of generation time.
+
+With --llama-server, the same model runs in llama.cpp's own loop (its server, one slot, the same thread count and
+KV types) at the same temperatures: its time per token against ggufspec's, and against the decode time alone.
+
+    python scripts/bench_overhead.py --tiny /tmp/ov -o overhead.jsonl --llama-server /path/to/llama-server
+
+--tiny DIR writes a random-weight model with SmolLM2's vocabulary (n_embd 64, 2 layers, 2 heads: about 1 ms a decode on
+one core) and a noisy copy of it as the draft; or give --target/--draft.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_parallel import emit, free_port, prompts, stop, wait_healthy  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+SMOLLM2 = REPO / ".cache" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def write_tiny_pair(out: Path) -> tuple[Path, Path]:
+    """A ~1 ms-a-decode target with SmolLM2's vocabulary and a noisy copy as its draft (tests' tiny_models)."""
+    target, draft = out / "overhead-target.gguf", out / "overhead-draft.gguf"
+    if target.exists() and draft.exists():
+        return target, draft
+    sys.path.insert(0, str(REPO / "tests"))  # the one writer of tiny GGUFs, shared with the test fixtures
+    import numpy as np
+    from tiny_models import TinyConfig, random_weights, read_tokenizer, write_tiny_gguf
+
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = TinyConfig(n_head=2, n_head_kv=2, n_ctx=4096)  # heads of 32: the q8_0 K cache (blocks of 32) fits
+    fields = read_tokenizer(SMOLLM2)
+    weights = random_weights(cfg, 49152, seed=0)
+    rng = np.random.default_rng(1)
+    noisy = {k: (v + rng.normal(0, 0.1 * v.std() if v.ndim > 1 else 0, v.shape)).astype(np.float32)
+             for k, v in weights.items()}
+    write_tiny_gguf(target, fields, weights, cfg, "overhead-target")
+    write_tiny_gguf(draft, fields, noisy, cfg, "overhead-draft")
+    return target, draft
+
+
+def quantile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[round(q * (len(xs) - 1))] if xs else 0.0
+
+
+def run_ggufspec(engine, prompt: str, method: str, temperature: float, n: int, seed: int) -> tuple[list[float], object]:
+    """Engine seconds of each pass after the first (the first follows the prefill) and the run's stats."""
+    from ggufspec.engine import GenerationSettings
+    from ggufspec.sampling import SamplingParams
+
+    s = GenerationSettings(max_tokens=n, method=method, sampling=SamplingParams(temperature), seed=seed)
+    t, d = engine.target, engine.draft
+    per, passes, t_prev, dec_prev = [], None, None, 0.0
+    for r in engine.stream(prompt, s):
+        now, dec = time.perf_counter(), t.decode_seconds + (d.decode_seconds if d is not None else 0.0)
+        if r.stats.target_passes != passes:
+            if t_prev is not None:
+                per.append((now - t_prev) - (dec - dec_prev))
+            passes, t_prev, dec_prev = r.stats.target_passes, now, dec
+    return per, engine.last_result.stats
+
+
+def llama_server_row(binary: str, target: Path, draft: Path | None, spec: str, temperature: float, n: int,
+                     texts: list[str], threads: int, seed: int) -> dict:
+    """llama.cpp's own loop on the same model: ms per generated token (its timings), median over the prompts."""
+    port = free_port()
+    cmd = [binary, "-m", str(target), "--port", str(port), "-c", "4096", "-np", "1", "-t", str(threads),
+           "-tb", str(threads), "-fa", "on", "-ctk", "q8_0", "-ctv", "f16", "--no-warmup"]
+    if draft is not None:
+        cmd += ["-md", str(draft), "-ctkd", "q8_0", "-ctvd", "f16", "-td", str(threads), "-tbd", str(threads)]
+    if spec:
+        cmd += ["--spec-type", spec]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_healthy(port, proc)
+        per_token, tps, drafted, accepted = [], [], 0, 0
+        for i, text in enumerate([texts[0], *texts]):  # the first is a warm-up
+            body = {"prompt": text, "n_predict": n, "temperature": temperature, "top_k": 0, "top_p": 1.0,
+                    "min_p": 0.0, "seed": seed + i, "ignore_eos": True, "cache_prompt": False}
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=600) as r:
+                timings = json.loads(r.read())["timings"]
+            if i:
+                per_token.append(timings["predicted_per_token_ms"])
+                tps.append(timings["predicted_per_second"])
+                drafted += timings.get("draft_n", 0)
+                accepted += timings.get("draft_n_accepted", 0)
+        return {"ms_per_token": round(statistics.median(per_token), 4), "tok_s": round(statistics.median(tps), 1),
+                "drafted": drafted, "accepted": accepted}
+    finally:
+        stop(proc)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tiny", type=Path, help="write (or reuse) the tiny pair in this folder")
+    ap.add_argument("--target", type=Path)
+    ap.add_argument("--draft", type=Path)
+    ap.add_argument("--methods", default="autoregressive,vanilla,lookup,auto")
+    ap.add_argument("--temps", default="0,0.7")
+    ap.add_argument("--prompts", type=int, default=6, help="HumanEval and Spec-Bench dev first turns, alternating")
+    ap.add_argument("-n", type=int, default=256, help="tokens per prompt")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--llama-server", help="llama-server built from the same llama.cpp source and flags")
+    ap.add_argument("-o", "--out", type=Path)
+    a = ap.parse_args()
+    if a.tiny:
+        a.target, a.draft = write_tiny_pair(a.tiny)
+    if a.target is None:
+        ap.error("give --tiny DIR or --target (and --draft)")
+
+    import ggufspec
+    from ggufspec.decoder import DecoderOptions
+    from ggufspec.engine import SpeculativeEngine
+
+    print(f"ggufspec from {Path(ggufspec.__file__).parent}", file=sys.stderr)
+
+    out = a.out.open("a") if a.out else None
+    texts = prompts(a.prompts)
+    temps = [float(x) for x in a.temps.split(",")]
+    engine = SpeculativeEngine.load(a.target, a.draft, DecoderOptions(n_ctx=4096, n_threads=a.threads))
+    engine.answers = None  # every prompt once: no earlier answers to look up, as llama-server has none
+    decode_ms: dict[float, float] = {}
+    try:
+        for method in a.methods.split(","):
+            for temp in temps:
+                run_ggufspec(engine, texts[0], method, temp, a.n, 0)  # warm-up (and auto's cost model)
+                per, wall, dec, gen, passes, drafted, tgt = [], 0.0, 0.0, 0, 0, 0, 0.0
+                for i, text in enumerate(texts):
+                    p, st = run_ggufspec(engine, text, method, temp, a.n, i)
+                    per += p
+                    wall += st.generation_seconds
+                    dec += st.target_seconds + st.draft_seconds
+                    tgt += st.target_seconds
+                    gen, passes, drafted = gen + st.generated_tokens, passes + st.target_passes, drafted + st.drafted
+                if method == "autoregressive":
+                    decode_ms[temp] = tgt / passes * 1e3
+                emit({"engine": "ggufspec", "method": method, "temperature": temp, "prompts": len(texts),
+                      "tokens": gen, "passes": passes, "drafted_per_pass": round(drafted / passes, 2),
+                      "tok_s": round(gen / wall, 1), "ms_per_token": round(wall / gen * 1e3, 4),
+                      "engine_us_p50": round(quantile(per, 0.5) * 1e6, 1),
+                      "engine_us_p90": round(quantile(per, 0.9) * 1e6, 1),
+                      "engine_us_p99": round(quantile(per, 0.99) * 1e6, 1),
+                      "engine_us_mean": round(statistics.fmean(per) * 1e6, 1),
+                      "engine_share": round((wall - dec) / wall, 4)}, out)
+    finally:
+        engine.close()
+    if a.llama_server:
+        for label, draft, spec in (("none", None, ""), ("draft-simple", a.draft, "draft-simple")):
+            for temp in temps:
+                row = llama_server_row(a.llama_server, a.target, draft, spec, temp, a.n, texts, a.threads, 0)
+                if not spec and temp in decode_ms:  # its loop's time per token beyond ggufspec's measured decode
+                    row["overhead_us_vs_decode"] = round((row["ms_per_token"] - decode_ms[temp]) * 1e3, 1)
+                emit({"engine": "llama-server", "spec": label, "temperature": temp, **row}, out)
+    if out:
+        out.close()
+
+
+if __name__ == "__main__":
+    main()
