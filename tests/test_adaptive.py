@@ -583,3 +583,15 @@ def test_greedy_draft_trees_follow_the_draft_while_it_is_confident(tiny_draft) -
         assert got.tree.choices == ((0,), (0, 0), runner_up)  # the chain first: kept, it needs no cache repair
         want = {(0,): top0[0], (0, 0): top1[0], (1,): top0[1], (0, 1): top1[1]}
         assert got.tokens == [want[c] for c in got.tree.choices]
+
+
+def test_a_context_after_the_history_joins_it_when_read() -> None:
+    """Context.after (the loop's, each step): the tokens are the history then the last token, joined at the first
+    read and kept; a lookup on it proposes as on a context built whole."""
+    history = [5, 6, 8, 5]
+    lazy = Context.after(history, 6)
+    assert lazy.tokens == [5, 6, 8, 5, 6] and lazy.hidden is None
+    history.append(100)  # the next pass commits: a context read before it keeps what it read
+    assert lazy.tokens == [5, 6, 8, 5, 6]
+    d = LookupProposer(n_vocab=200)
+    assert d.propose(Context.after([5, 6, 8, 5], 6), 2).tokens == d.propose(Context([5, 6, 8, 5, 6]), 2).tokens == [8, 5]

@@ -54,6 +54,23 @@ def test_logits_view_is_read_only_and_equals_the_copy(tiny_target) -> None:
         assert not np.array_equal(view[0], copied[0])
 
 
+def test_kept_logits_views_follow_batch_sizes_and_buffer_moves(tiny_target) -> None:
+    """The decoder keeps a view per buffer address and row count: through batches of 1, 9, 1, 40 and 3 tokens (the
+    output buffer grows, and may move, for the larger ones) every row read equals llama.cpp's own row getter."""
+    import llama_cpp
+
+    with open_decoder(tiny_target) as d:
+        tokens = (d.vocab.tokenize(PROMPT) * 8)[:54]
+        start = 0
+        for n in (1, 9, 1, 40, 3):
+            rows = d.feed(tokens[start : start + n], view=True)
+            assert rows.shape == (n, d.n_vocab)
+            for i in range(n):
+                own = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(d._ctx, i), shape=(d.n_vocab,))
+                np.testing.assert_array_equal(rows[i], own)
+            start += n
+
+
 def test_rollback_then_next_logits_equal_fresh_context(tiny_target) -> None:
     rng = np.random.default_rng(0)
     with open_decoder(tiny_target) as d:
