@@ -63,28 +63,41 @@ class CostModel:
     def expected_tokens(k: int, acceptance: float | Sequence[float]) -> float:
         """Tokens a step with k drafts commits; acceptance[i]: chance draft i is kept once judged
         (a single number: the same at every position; a short list: its last entry for the positions after it)."""
+        return CostModel.expected_tokens_upto(k, acceptance)[k]
+
+    @staticmethod
+    def expected_tokens_upto(k_max: int, acceptance: float | Sequence[float]) -> list[float]:
+        """expected_tokens(k, acceptance) for k = 0..k_max, in one pass."""
         if isinstance(acceptance, (int, float)):
-            a = [acceptance] * k
+            a = [acceptance] * k_max
         else:
-            a = list(acceptance[:k]) + [acceptance[-1]] * (k - len(acceptance)) if acceptance else [0.0] * k
+            a = list(acceptance[:k_max]) + [acceptance[-1]] * (k_max - len(acceptance)) if acceptance else [0.0] * k_max
+        out = [1.0]
         tokens = kept = 1.0
         for x in a:  # plain Python: called several times a step, where numpy's call overhead would show
             kept *= x
             tokens += kept
-        return tokens
+            out.append(tokens)
+        return out
 
     def step_seconds(self, k: int, free: bool = False) -> float:
         """Drafting k tokens (free: they cost nothing, as prompt lookup's) and verifying them."""
         return k * (0.0 if free else self.draft) + self.batch_seconds(k + 1)
 
+    def rate(self, k: int, tokens: float, free: bool = False) -> float:
+        """Committed tokens per second of a step with k drafts that commits `tokens` on average."""
+        return tokens / self.step_seconds(k, free)
+
     def expected_rate(self, k: int, acceptance: float | Sequence[float], free: bool = False) -> float:
         """Committed tokens per second with k drafts."""
-        return self.expected_tokens(k, acceptance) / self.step_seconds(k, free)
+        return self.rate(k, self.expected_tokens(k, acceptance), free)
 
     def best_k(self, acceptance: float | Sequence[float], k_max: int, k_min: int = 0, free: bool = False,
                longer: Sequence[int] = ()) -> int:
         """The draft length in k_min..k_max (or among `longer`) with the most expected tokens per second."""
-        return max([*range(k_min, k_max + 1), *longer], key=lambda k: self.expected_rate(k, acceptance, free))
+        ks = [*range(k_min, k_max + 1), *longer]
+        tokens = self.expected_tokens_upto(max(ks), acceptance)  # one pass for every length (called every step)
+        return max(ks, key=lambda k: self.rate(k, tokens[k], free))
 
     def observe(self, n_verify: int, verify_s: float, draft_decodes: int, draft_s: float, weight: float = 0.2) -> None:
         """Move toward what one step really cost: the batch size seen at `weight`, the others at half of it
@@ -131,8 +144,8 @@ class SharedBatch(CostModel):
     def step_seconds(self, k: int, free: bool = False) -> float:
         return k * (0.0 if free else self.draft) + self.batch_seconds(self.others + k + 1)
 
-    def expected_rate(self, k: int, acceptance: float | Sequence[float], free: bool = False) -> float:
-        return (self.others + self.expected_tokens(k, acceptance)) / self.step_seconds(k, free)
+    def rate(self, k: int, tokens: float, free: bool = False) -> float:
+        return (self.others + tokens) / self.step_seconds(k, free)
 
     def observe(self, *args, **kwargs) -> None:
         self.base.observe(*args, **kwargs)

@@ -6,7 +6,7 @@ Reads like mlx-lm's `speculative_generate_step`; every method is this loop with 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import replace
+from copy import copy
 
 from .policy import Policy, Timing
 from .proposers import NO_DRAFT, Context, Counters, Proposer
@@ -30,7 +30,7 @@ def generate_steps(
         state = Context.after(verifier.history, last, hidden)
         plan = policy.plan(state, limit, verifier.deferred)
         proposer = proposers.get(plan.source) if plan.source else None
-        before = replace(proposer.counters) if proposer is not None else None
+        before = copy(proposer.counters) if proposer is not None else None
         draft = proposer.propose(state, plan.k, plan.nodes) if proposer is not None else NO_DRAFT
         verdict = verifier.verify(last, draft)
         if proposer is not None:

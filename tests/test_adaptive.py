@@ -595,3 +595,24 @@ def test_a_context_after_the_history_joins_it_when_read() -> None:
     assert lazy.tokens == [5, 6, 8, 5, 6]
     d = LookupProposer(n_vocab=200)
     assert d.propose(Context.after([5, 6, 8, 5], 6), 2).tokens == d.propose(Context([5, 6, 8, 5, 6]), 2).tokens == [8, 5]
+
+
+def test_lookup_reuses_its_array_only_for_a_context_that_continues_the_last() -> None:
+    """The proposer keeps the last context as an array and extends it when the next context continues it (each step);
+    through contexts that grow, are cut, edited, or mutated in place, every guess equals a fresh proposer's."""
+    rng = np.random.default_rng(3)
+    kept = LookupProposer(n_vocab=100)
+    ctx = [int(t) for t in rng.integers(0, 5, 12)]
+    for step in range(200):
+        r = rng.random()
+        if r < 0.6:
+            ctx = ctx + [int(t) for t in rng.integers(0, 5, rng.integers(1, 5))]
+        elif r < 0.7:
+            ctx = ctx[: int(rng.integers(1, len(ctx) + 1))]
+        elif r < 0.85:
+            ctx = list(ctx)
+            ctx[int(rng.integers(len(ctx)))] = int(rng.integers(0, 5))
+        else:
+            ctx.append(int(rng.integers(0, 5)))  # the same list, longer
+        fresh = LookupProposer(n_vocab=100)
+        assert kept._find(ctx, 4) == fresh._find(ctx, 4) and kept.match == fresh.match, step

@@ -54,6 +54,8 @@ class LookupProposer:
         self.counters = Counters()
         # the last find: (context, its length, k, guess, match)
         self._last: tuple[list[int], int, int, list[int], int] | None = None
+        self._seen: list[int] = []  # the last context searched, and as an array in _array's buffer
+        self._buffer = np.zeros(0, dtype=np.int64)
 
     def find(self, context: list[int], k: int) -> list[int]:
         """Up to k tokens continuing the longest (then latest) earlier match of the context's tail; sets `match`.
@@ -67,29 +69,52 @@ class LookupProposer:
         self._last = (context, len(context), k, guess, self.match)
         return guess
 
+    def _array(self, context: list[int]) -> np.ndarray:
+        """The context as an int64 array: the last one's, extended, when it continues the last context searched (a
+        step's context is the last step's plus what the pass committed). np.asarray of the whole list cost O(context)
+        conversions every step; a list copy and compare are much cheaper."""
+        n, m = len(context), len(self._seen)
+        if not (m and n > m and context[:m] == self._seen):
+            m = 0
+        if n > len(self._buffer):
+            grown = np.zeros(max(2 * len(self._buffer), n, 256), dtype=np.int64)
+            grown[:m] = self._buffer[:m]
+            self._buffer = grown
+        self._buffer[m:n] = context[m:]
+        self._seen = list(context)
+        return self._buffer[:n]
+
     def _find(self, context: list[int], k: int) -> list[int]:
-        ctx = np.asarray(context)
+        ctx = self._array(context)
         self.match = 0
         # where an earlier occurrence of the last token ends an n-gram equal to the tail (one pass over the
         # context, then only those places: searched every step, so cheap against a target's decode)
-        ends = np.flatnonzero(ctx[:-1] == ctx[-1])
-        for n in range(min(self.ngram_max, len(ctx) - 1), self.ngram_min - 1, -1):
-            hits = ends[ends >= n - 1]
-            for j in range(1, n):
-                hits = hits[ctx[hits - j] == ctx[-1 - j]]
-            if len(hits):
-                # how far back each earlier occurrence matches the tail (up to LONG_MATCH): the longest wins, the
-                # latest among equals (text that repeats a phrase often has a later, shorter chance match)
-                back = np.arange(LONG_MATCH)
-                before = hits[:, None] - back
-                same = (before >= 0) & (ctx[np.maximum(before, 0)] == ctx[np.maximum(len(ctx) - 1 - back, 0)])
-                lengths = np.where(same.all(axis=1), LONG_MATCH, same.argmin(axis=1))
-                at = len(hits) - 1 - int(np.argmax(lengths[::-1]))
-                start, self.match = int(hits[at]) + 1, int(lengths[at])
-                # a match that runs into the tail is text repeating with this period: the guess goes on repeating
-                # it, as a lookup fed its own guess would (a loop shorter than k would otherwise cap the guess)
-                period = len(ctx) - start
-                return ctx[start + np.arange(k) % period].tolist()
+        hits = np.flatnonzero(ctx[:-1] == ctx[-1])
+        # grown one token at a time (the places matching the tail's last n tokens are among those matching its last
+        # n - 1): the longest n-gram with a match, after a few numpy calls when the tail has none (most steps)
+        found = None
+        for n in range(1, min(self.ngram_max, len(ctx) - 1) + 1):
+            if n > 1:
+                hits = hits[hits >= n - 1]
+                hits = hits[ctx[hits - (n - 1)] == ctx[-n]]
+            if not len(hits):
+                break
+            if n >= self.ngram_min:
+                found = hits
+        if found is not None:
+            hits = found
+            # how far back each earlier occurrence matches the tail (up to LONG_MATCH): the longest wins, the
+            # latest among equals (text that repeats a phrase often has a later, shorter chance match)
+            back = np.arange(LONG_MATCH)
+            before = hits[:, None] - back
+            same = (before >= 0) & (ctx[np.maximum(before, 0)] == ctx[np.maximum(len(ctx) - 1 - back, 0)])
+            lengths = np.where(same.all(axis=1), LONG_MATCH, same.argmin(axis=1))
+            at = len(hits) - 1 - int(np.argmax(lengths[::-1]))
+            start, self.match = int(hits[at]) + 1, int(lengths[at])
+            # a match that runs into the tail is text repeating with this period: the guess goes on repeating
+            # it, as a lookup fed its own guess would (a loop shorter than k would otherwise cap the guess)
+            period = len(ctx) - start
+            return ctx[start + np.arange(k) % period].tolist()
         return self._find_in_answers(ctx, k) if self.answers is not None else []
 
     def _find_in_answers(self, ctx: np.ndarray, k: int) -> list[int]:
