@@ -59,21 +59,23 @@ def quantile(xs: list[float], q: float) -> float:
     return xs[round(q * (len(xs) - 1))] if xs else 0.0
 
 
-def run_ggufspec(engine, prompt: str, method: str, temperature: float, n: int, seed: int) -> tuple[list[float], object]:
-    """Engine seconds of each pass after the first (the first follows the prefill) and the run's stats."""
+def run_ggufspec(engine, prompt: str, method: str, temperature: float, n: int, seed: int) -> tuple[list[float], object, int]:
+    """Engine seconds of each pass after the first (the first follows the prefill), the run's stats, and the draft
+    model's decodes during the generation."""
     from ggufspec.engine import GenerationSettings
     from ggufspec.sampling import SamplingParams
 
     s = GenerationSettings(max_tokens=n, method=method, sampling=SamplingParams(temperature), seed=seed)
     t, d = engine.target, engine.draft
     per, passes, t_prev, dec_prev = [], None, None, 0.0
+    draft_decodes = d.n_decodes if d is not None else 0
     for r in engine.stream(prompt, s):
         now, dec = time.perf_counter(), t.decode_seconds + (d.decode_seconds if d is not None else 0.0)
         if r.stats.target_passes != passes:
             if t_prev is not None:
                 per.append((now - t_prev) - (dec - dec_prev))
             passes, t_prev, dec_prev = r.stats.target_passes, now, dec
-    return per, engine.last_result.stats
+    return per, engine.last_result.stats, (d.n_decodes - draft_decodes) if d is not None else 0
 
 
 def llama_server_row(binary: str, target: Path, draft: Path | None, spec: str, temperature: float, n: int,
@@ -142,10 +144,11 @@ def main() -> None:
         for method in a.methods.split(","):
             for temp in temps:
                 run_ggufspec(engine, texts[0], method, temp, a.n, 0)  # warm-up (and auto's cost model)
-                per, wall, dec, gen, passes, drafted, tgt = [], 0.0, 0.0, 0, 0, 0, 0.0
+                per, wall, dec, gen, passes, drafted, tgt, decodes = [], 0.0, 0.0, 0, 0, 0, 0.0, 0
                 for i, text in enumerate(texts):
-                    p, st = run_ggufspec(engine, text, method, temp, a.n, i)
+                    p, st, d = run_ggufspec(engine, text, method, temp, a.n, i)
                     per += p
+                    decodes += d
                     wall += st.generation_seconds
                     dec += st.target_seconds + st.draft_seconds
                     tgt += st.target_seconds
@@ -154,6 +157,7 @@ def main() -> None:
                     decode_ms[temp] = tgt / passes * 1e3
                 emit({"engine": "ggufspec", "method": method, "temperature": temp, "prompts": len(texts),
                       "tokens": gen, "passes": passes, "drafted_per_pass": round(drafted / passes, 2),
+                      "draft_decodes_per_pass": round(decodes / passes, 2),
                       "tok_s": round(gen / wall, 1), "ms_per_token": round(wall / gen * 1e3, 4),
                       "engine_us_p50": round(quantile(per, 0.5) * 1e6, 1),
                       "engine_us_p90": round(quantile(per, 0.9) * 1e6, 1),
