@@ -72,8 +72,8 @@ def _nucleus(p: np.ndarray, top_p: float) -> None:
     """Zero, in place, what top-p drops: keep the smallest prefix, by descending p (ties in index order), whose mass
     reaches top_p of the row's (the token that crosses it stays).
 
-    Only tokens with p >= eps are sorted: every token below eps has at least 1 - V*eps > top_p of the mass before
-    it, so it is dropped whatever the order (a full stable argsort of a 49k row took 6 ms here).
+    Only tokens with p >= eps = (1 - top_p) * mass / 2V are sorted: every token below eps has at least mass - V*eps
+    > top_p * mass before it, so it is dropped whatever the order (a full stable argsort of a 49k row took 6 ms).
     """
     total = p.sum(dtype=np.float64)
     eps = (1.0 - top_p) * total / (2 * len(p))

@@ -64,7 +64,7 @@ def accept_sampled(p: Sequence[np.ndarray], q: np.ndarray | None, drafts: list[i
     The result is distributed exactly as sampling from p token by token.
     """
     k = len(drafts)
-    u = rng.random(k)  # all k drawn at once, whatever is kept: a seed repeats earlier versions' runs
+    u = rng.random(k)  # all k drawn at once, whatever is kept: a seed uses the random stream it always did
     for n, x in enumerate(drafts):
         pn = p[n]
         qx = 1.0 if q is None else q[n, x]
