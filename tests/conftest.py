@@ -24,6 +24,10 @@ CPU_BACKEND = cpu_backend.prepare()
 # interrupt (a run launched so here failed all six Ctrl-C tests): they get the default back.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+# Likewise a run under nohup: its commands would keep SIGHUP ignored, as they rightly do for nohup (outputs.py), and
+# the SIGHUP test would see its convert finish (a CI run started so here failed only that test).
+if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 REPO = Path(__file__).resolve().parents[1]
 SMOLLM2 = Path(os.environ.get("GGUFSPEC_TEST_MODEL", REPO / ".cache" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"))
