@@ -42,11 +42,17 @@ def softmax(logits: np.ndarray, scale: float = 1.0) -> np.ndarray:
     exp runs in float32 because numpy vectorises it: float64's took 0.9 ms a 49k-token row here, float32's 0.08 ms
     (docs/engine-overhead.md). The sums stay float64 (float32 sums drift enough to bias chi-square tests).
     """
-    z = np.multiply(logits, scale, dtype=np.float32)  # a copy: never the caller's rows (often llama.cpp's buffer)
-    z -= z.max(axis=-1, keepdims=True)
-    np.exp(z, out=z)
+    z = _weights(logits, scale)
     z /= z.sum(axis=-1, keepdims=True, dtype=np.float64)
     return z
+
+
+def _weights(logits: np.ndarray, scale: float) -> np.ndarray:
+    """exp(logits * scale - row max) in float32: softmax before normalising, a new array (never the caller's rows,
+    often llama.cpp's buffer)."""
+    z = np.multiply(logits, scale, dtype=np.float32)
+    z -= z.max(axis=-1, keepdims=True)
+    return np.exp(z, out=z)
 
 
 def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
@@ -118,7 +124,4 @@ def pick(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -
         return int(logits.argmax())
     if params.top_k or params.top_p < 1.0 or params.min_p > 0.0:
         return sample(probabilities(logits, params), rng)
-    # no filter: a draw from exp(logits / T), which `sample` need not see normalised
-    z = np.multiply(logits, 1.0 / params.temperature, dtype=np.float32)
-    z -= z.max()
-    return sample(np.exp(z, out=z), rng)
+    return sample(_weights(logits, 1.0 / params.temperature), rng)  # no filter: `sample` needs no normalising

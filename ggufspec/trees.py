@@ -119,13 +119,19 @@ def rejection_step(p: np.ndarray, q: np.ndarray | None, x: int, rng: np.random.G
     qx = 1.0 if q is None else float(q[x])
     if qx > 0 and rng.random() * qx <= p[x]:
         return p, True
+    return residual(p, q, x), False
+
+
+def residual(p: np.ndarray, q: np.ndarray | None, x: int) -> np.ndarray:
+    """What is drawn from after candidate x (drawn from q; None: chosen deterministically) was rejected:
+    norm(max(0, p - q)), which for a deterministic x is p without x."""
     if q is None:
         rest = p.copy()
         rest[x] = 0.0
     else:
         rest = np.maximum(p - q, 0.0)
     total = rest.sum()
-    return (rest / total if total > 0 else p), False
+    return rest / total if total > 0 else p
 
 
 def build_tree(choices: list[list[int]] | list[tuple[int, ...]], keep_order: bool = False) -> Tree:

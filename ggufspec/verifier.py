@@ -17,7 +17,7 @@ import numpy as np
 from .decoder import Decoder, prefill
 from .proposers import Draft
 from .sampling import SamplingParams, pick, probabilities, sample
-from .trees import Tree, walk
+from .trees import Tree, residual, walk
 
 TYPICAL_THRESHOLD = 0.09  # Medusa's posterior_threshold (epsilon)
 TYPICAL_ALPHA = 0.3  # Medusa's posterior_alpha: sqrt of the default 0.09 threshold, as in the paper's code
@@ -70,12 +70,7 @@ def accept_sampled(p: Sequence[np.ndarray], q: np.ndarray | None, drafts: list[i
         qx = 1.0 if q is None else q[n, x]
         if u[n] * qx <= pn[x]:
             continue
-        if q is None:  # max(0, p - onehot(x)): p without x
-            rest = pn.copy()
-            rest[x] = 0.0
-        else:
-            rest = np.maximum(pn - q[n], 0.0)
-        return drafts[:n] + [sample(rest, rng)]
+        return drafts[:n] + [sample(residual(pn, None if q is None else q[n], x), rng)]
     return drafts + [sample(p[k], rng)]
 
 

@@ -39,18 +39,14 @@ def write_tiny_pair(out: Path) -> tuple[Path, Path]:
     if target.exists() and draft.exists():
         return target, draft
     sys.path.insert(0, str(REPO / "tests"))  # the one writer of tiny GGUFs, shared with the test fixtures
-    import numpy as np
-    from tiny_models import TinyConfig, random_weights, read_tokenizer, write_tiny_gguf
+    from tiny_models import TinyConfig, noisy_copy, random_weights, read_tokenizer, write_tiny_gguf
 
     out.mkdir(parents=True, exist_ok=True)
     cfg = TinyConfig(n_head=2, n_head_kv=2, n_ctx=4096)  # heads of 32: the q8_0 K cache (blocks of 32) fits
     fields = read_tokenizer(SMOLLM2)
     weights = random_weights(cfg, 49152, seed=0)
-    rng = np.random.default_rng(1)
-    noisy = {k: (v + rng.normal(0, 0.1 * v.std() if v.ndim > 1 else 0, v.shape)).astype(np.float32)
-             for k, v in weights.items()}
     write_tiny_gguf(target, fields, weights, cfg, "overhead-target")
-    write_tiny_gguf(draft, fields, noisy, cfg, "overhead-draft")
+    write_tiny_gguf(draft, fields, noisy_copy(weights), cfg, "overhead-draft")
     return target, draft
 
 

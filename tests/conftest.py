@@ -6,13 +6,12 @@ import os
 import signal
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from ggufspec import cpu_backend
 from ggufspec.costs import CostModel
 from ggufspec.decoder import DecoderOptions, LlamaCppDecoder
-from tiny_models import TinyConfig, random_weights, read_tokenizer, write_tiny_gguf
+from tiny_models import TinyConfig, noisy_copy, random_weights, read_tokenizer, write_tiny_gguf
 
 # One llama.cpp thread per context: tiny models gain nothing from two, and a second thread
 # waiting at llama.cpp's barriers makes tests crawl whenever another process holds a core.
@@ -77,10 +76,7 @@ def tiny_target(tiny_dir, tokenizer_fields, tiny_weights) -> Path:
 @pytest.fixture(scope="session")
 def tiny_draft(tiny_dir, tokenizer_fields, tiny_weights) -> Path:
     """The target's weights plus noise: agrees with the target often, not always."""
-    rng = np.random.default_rng(1)
-    noisy = {k: (v + rng.normal(0, 0.1 * v.std() if v.ndim > 1 else 0, v.shape)).astype(np.float32)
-             for k, v in tiny_weights.items()}
-    return write_tiny_gguf(tiny_dir / "tiny-draft.gguf", tokenizer_fields, noisy, TINY, "tiny-draft")
+    return write_tiny_gguf(tiny_dir / "tiny-draft.gguf", tokenizer_fields, noisy_copy(tiny_weights), TINY, "tiny-draft")
 
 
 def open_decoder(path: Path, **kw) -> LlamaCppDecoder:

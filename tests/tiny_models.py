@@ -56,6 +56,14 @@ def random_weights(cfg: TinyConfig, n_vocab: int, seed: int) -> dict[str, np.nda
     return t
 
 
+def noisy_copy(weights: dict[str, np.ndarray], seed: int = 1) -> dict[str, np.ndarray]:
+    """The weights plus noise (10% of each matrix's spread; norms kept): a draft that agrees with them often, not
+    always."""
+    rng = np.random.default_rng(seed)
+    return {k: (v + rng.normal(0, 0.1 * v.std() if v.ndim > 1 else 0, v.shape)).astype(np.float32)
+            for k, v in weights.items()}
+
+
 def write_tiny_gguf(
     path: Path, tokenizer: list[gguf.ReaderField], weights: dict[str, np.ndarray], cfg: TinyConfig,
     name: str = "tiny", chat_template: str | None = None,
