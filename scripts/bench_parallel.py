@@ -2,9 +2,10 @@
 
 Starts each server command given (with {port} in it) on 127.0.0.1, waits for /health, then for each client count
 sends `--requests-per-client` streamed /v1/completions per client (HumanEval dev and Spec-Bench dev first turns,
-alternating, the same prompt order for every server), and prints one JSON line per (server, clients): aggregate
-generated tok/s, p50/p95 time to first token, median per-request tok/s, and the texts (to check that every
-server gives the same greedy text). Servers run one after another, client counts alternate across rounds.
+alternating; the same prompts for every server, and prompts of their own for each client count and round, so that
+no run finds its prompts cached by an earlier one, as no real workload would), and prints one JSON line per (server,
+clients): aggregate generated tok/s, p50/p95 time to first token, median per-request tok/s, and the texts (to check
+that every server gives the same greedy text). Servers run one after another, client counts alternate across rounds.
 
     python scripts/bench_parallel.py --clients 1,2,4,8 --rounds 1 -n 128 \\
         --server "ggufspec-auto=python -m ggufspec.cli serve -m T.gguf -md D.gguf --port {port} -np 8" \\
@@ -28,12 +29,12 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parents[2] / "shared" / "bench"
 
 
-def prompts(n: int) -> list[str]:
-    """n prompts, HumanEval and Spec-Bench first turns alternating (file order)."""
+def prompts(n: int, start: int = 0) -> list[str]:
+    """n prompts from the `start`-th on, HumanEval and Spec-Bench first turns alternating (file order)."""
     code = [json.loads(x)["prompt"] for x in (BENCH / "humaneval_dev.jsonl").read_text().splitlines() if x.strip()]
     chat = [json.loads(x)["turns"][0] for x in (BENCH / "spec_bench_dev.jsonl").read_text().splitlines() if x.strip()]
     mixed = [p for pair in zip(code, chat) for p in pair]
-    return [mixed[i % len(mixed)] for i in range(n)]
+    return [mixed[i % len(mixed)] for i in range(start, start + n)]
 
 
 def free_port() -> int:
@@ -83,8 +84,10 @@ def one_request(port: int, prompt: str, max_tokens: int, temperature: float, see
     return {"ttft": (first or end) - t0, "seconds": end - t0, "tokens": tokens, "text": "".join(text)}
 
 
-def run_clients(port: int, clients: int, per_client: int, max_tokens: int, temperature: float) -> dict:
-    work = list(enumerate(prompts(clients * per_client)))
+def run_clients(port: int, clients: int, per_client: int, max_tokens: int, temperature: float,
+                start: int = 0) -> dict:
+    """`clients` threads send the prompts from the `start`-th on, `per_client` each, as fast as answered."""
+    work = list(enumerate(prompts(clients * per_client, start)))
     results: dict[int, dict] = {}
     lock = threading.Lock()
 
@@ -147,10 +150,12 @@ def main() -> None:
         try:
             wait_healthy(port, proc)
             one_request(port, "Hello", 8, 0.0, 0)  # warm-up (the cost model's first measurement, caches)
+            start = 0  # every run gets prompts of its own: none finds its prompt cached by an earlier run
             for r in range(a.rounds):
                 for c in (levels if r % 2 == 0 else levels[::-1]):
                     row = {"server": name, "round": r, "temperature": a.temperature, "max_tokens": a.max_tokens,
-                           **run_clients(port, c, a.requests_per_client, a.max_tokens, a.temperature)}
+                           **run_clients(port, c, a.requests_per_client, a.max_tokens, a.temperature, start)}
+                    start += c * a.requests_per_client
                     emit(row, out)
         finally:
             stop(proc)
