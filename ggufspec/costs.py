@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 from .decoder import Decoder, LlamaCppDecoder
+from .lockstep import micro_batches
 # the cache files and the machine key: machine_cache, shared with kv_cache (costs_path stays importable from here)
 from .machine_cache import costs_path, machine, read_entry, write_table
 from .machine_cache import json_type as _json_type
@@ -123,18 +124,24 @@ class CostModel:
 
 
 class SharedBatch(CostModel):
-    """A slot's prices while `others` tokens of other slots ride in the same target batch (EnginePool): the rule that
-    prices speculation per batch (docs/methods.md). A step with k drafts makes the whole batch cost
-    batch_seconds(others + 1 + k) and commits the others' tokens plus this slot's expected ones; the others are
-    counted as committing one token per token they add (a plain step's; drafting slots commit fewer, so this
-    under-prices drafting, never over-prices it). So drafting is chosen only where it raises the whole batch's
-    tokens per second: with one busy slot it is the base model's choice; with many, on a CPU where a batch's cost
-    grows with its size, drafts shrink to what still pays, and never below plain continuous batching.
+    """A slot's prices while other slots ride in the same target batch (EnginePool), as many tokens of each as in the
+    last one (`lanes`, this slot's at `lane`): the rule that prices speculation per batch (docs/methods.md).
 
-    Learning (observe) goes to the base model, with the whole batch's size and seconds."""
+    A step with k drafts makes the whole batch cost its micro-batches (llama.cpp runs chains of unequal lengths in
+    several: lockstep.micro_batches), each at batch_seconds, and commits the others' tokens plus this slot's expected
+    ones; the others are counted as committing one token per token they add (a plain step's; drafting slots commit
+    fewer, so this under-prices drafting, never over-prices it). So drafting is chosen only where it raises the
+    whole batch's tokens per second: with one busy slot it is the base model's choice; with many, on a CPU where a
+    batch's cost grows with its size, or wherever a longer chain costs a pass of its own, drafts shrink to what
+    still pays, and never below plain continuous batching.
 
-    def __init__(self, base: CostModel, others: int) -> None:  # no dataclass fields of its own: a view of `base`
-        self.base, self.others = base, others
+    Learning (observe) goes to the base model, with the whole batch's size and seconds (policy.adaptive leaves out
+    batches that ran in several micro-batches)."""
+
+    def __init__(self, base: CostModel, lanes: Sequence[int], lane: int) -> None:  # a view of `base`: no fields
+        self.base, self.lane = base, lane
+        self.lanes = list(lanes)  # a copy: step_seconds puts each priced chain in this slot's lane
+        self.others = sum(lanes) - lanes[lane]
 
     verify = property(lambda self: self.base.verify)
     draft = property(lambda self: self.base.draft)
@@ -142,7 +149,8 @@ class SharedBatch(CostModel):
     long_verify = property(lambda self: self.base.long_verify)
 
     def step_seconds(self, k: int, free: bool = False) -> float:
-        return k * (0.0 if free else self.draft) + self.batch_seconds(self.others + k + 1)
+        self.lanes[self.lane] = k + 1
+        return k * (0.0 if free else self.draft) + sum(self.batch_seconds(n) for n in micro_batches(self.lanes))
 
     def rate(self, k: int, tokens: float, free: bool = False) -> float:
         return (self.others + tokens) / self.step_seconds(k, free)

@@ -40,6 +40,10 @@ class Decoder(Protocol):
     n_decodes: int
     n_decoded_tokens: int
     n_batched_tokens: int  # tokens of the whole batches those decodes ran in (other slots' too, in a shared context)
+    # a slot of a shared context: its last decode's whole batch, tokens per sequence id (lockstep.Submission.lanes),
+    # and its own sequence id there; () and 0 on a context of its own
+    lanes: tuple[int, ...]
+    lane: int
 
     def feed(self, tokens: Sequence[int], all_logits: bool = True, view: bool = False) -> np.ndarray:
         """Decode `tokens` after the history in one pass; logits of every position (or the last), (n, V).
@@ -294,6 +298,7 @@ class LlamaCppDecoder:
         self.n_decodes = 0
         self.n_decoded_tokens = 0
         self.n_batched_tokens = 0
+        self.lanes: tuple[int, ...] = ()
         self._n_out = 0  # rows of hidden states the last decode computed
         self._hidden_on = opts.embeddings
         self._abort_on = False  # llama_log.abort_check installed: see ABORTABLE_BATCH
@@ -349,9 +354,15 @@ class LlamaCppDecoder:
         view.history, view._deferred, view._tree, view._tree_pre = [], [], None, []
         view.shift_keep, view.n_shifts, view.decode_seconds, view.n_decodes = None, 0, 0.0, 0
         view.n_decoded_tokens = view.n_batched_tokens = 0
+        view.lanes = ()
         view._n_out = view._skip = 0
         view._unrecorded = False
         return view
+
+    @property
+    def lane(self) -> int:
+        """This decoder's sequence id in its context (a slot's: its index in `lanes`)."""
+        return self._seq
 
     @property
     def shared(self) -> bool:
@@ -374,6 +385,7 @@ class LlamaCppDecoder:
             self.n_decodes += 1
             self.n_decoded_tokens += len(tokens)
             self.n_batched_tokens += sub.batch
+            self.lanes = sub.lanes
         self._sub = sub
         return sub.rc
 

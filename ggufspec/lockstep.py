@@ -40,6 +40,7 @@ class Submission:
     states: np.ndarray | None = None  # (outputs, H) with hidden
     seconds: float = 0.0  # the whole batch's decode time
     batch: int = 0  # tokens in the whole batch, every member's
+    lanes: tuple[int, ...] = ()  # (max seq id + 1,) the whole batch's tokens per sequence id (first id of each member)
 
 
 class Runner(Protocol):
@@ -75,6 +76,7 @@ class Lockstep:
         self._local = threading.local()
         self._runner: threading.Thread | None = None
         self.n_ticks = 0  # ticks run
+        self.decode_seconds = 0.0  # every tick's batches, all contexts: the rest of a busy pool's time is the slots'
 
     @contextmanager
     def member(self) -> Iterator[None]:
@@ -128,9 +130,33 @@ class Lockstep:
                         except Exception:  # the submissions keep rc -1: each member raises its decode's error
                             pass
                         seconds, n = time.perf_counter() - t0, sum(len(s.tokens) for s in subs)
+                        self.decode_seconds += seconds
+                        lanes = [0] * (1 + max(s.seq_ids[0][0] for s in subs))
                         for s in subs:
-                            s.seconds, s.batch = seconds, n
+                            lanes[s.seq_ids[0][0]] += len(s.tokens)
+                        for s in subs:
+                            s.seconds, s.batch, s.lanes = seconds, n, tuple(lanes)
                     self.n_ticks += 1
                 finally:
                     self._generation += 1
                     self.lock.notify_all()
+
+
+def micro_batches(lanes: Sequence[int]) -> list[int]:
+    """The micro-batches (their token counts) llama.cpp runs a batch of `lanes[s]` tokens of each sequence s in, on
+    a cache with a KV stream per sequence (the slots'): each takes as many tokens of every sequence in a run of
+    consecutive ids, starting at the lowest with tokens left (llama_batch_allocr::split_equal, sequential). So
+    chains of unequal lengths take several passes: 1 + 1 + 4 tokens of sequences 0, 1, 2 run as 3 tokens, then 3.
+    (llama.cpp also caps each at n_ubatch tokens: prefill chunks; verification chains stay far below it.)"""
+    left, sizes = list(lanes), []
+    while True:
+        first = next((i for i, n in enumerate(left) if n), None)
+        if first is None:
+            return sizes
+        end = first
+        while end < len(left) and left[end]:
+            end += 1
+        m = min(left[first:end])
+        for i in range(first, end):
+            left[i] -= m
+        sizes.append(m * (end - first))

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from copy import copy
 
+from .lockstep import micro_batches
 from .policy import Policy, Timing
 from .proposers import NO_DRAFT, Context, Counters, Proposer
 from .verifier import Verdict, Verifier
@@ -45,8 +46,8 @@ def generate_steps(
 def _timing(verdict: Verdict, after: Counters | None, before: Counters | None) -> Timing:
     """What a step cost: the verifier's pass (the whole batch it rode in: its seconds are that batch's), and the
     proposer's work between its counters before and after."""
-    batch = max(verdict.shared, verdict.batch)
+    batch, passes = max(verdict.shared, verdict.batch), max(len(micro_batches(verdict.lanes)), 1)
     if after is None or before is None:
-        return Timing(verdict.seconds, batch)
+        return Timing(verdict.seconds, batch, verify_passes=passes)
     return Timing(verdict.seconds, batch, after.seconds - before.seconds, after.decodes - before.decodes,
-                  after.decoded - before.decoded)
+                  after.decoded - before.decoded, passes)

@@ -34,11 +34,8 @@ class Verdict:
     deferred: int  # committed tokens left out of the KV cache: the next pass decodes them in front of its batch
     hidden: np.ndarray | None = None  # (H,) with hidden states on: the target's state at the row that picked tokens[-1]
     shared: int = 0  # tokens of the whole batches `seconds` timed: `batch`, plus other slots' in a shared context
-
-    @property
-    def others(self) -> int:
-        """Other slots' tokens that rode in this pass's batch (0 on a context of its own)."""
-        return max(self.shared - self.batch, 0)
+    lanes: tuple[int, ...] = ()  # a shared context's batch: tokens per sequence id (lockstep.Submission.lanes)
+    lane: int = 0  # this pass's sequence id in `lanes`
 
     @property
     def kept(self) -> int:
@@ -149,7 +146,7 @@ class Verifier:
         if draft.tree is not None:
             self.deferred = t.commit_tree_path(path)
         return Verdict(tokens, draft.depth, t.decode_seconds - seconds, t.n_decoded_tokens - decoded, self.deferred,
-                       hidden, t.n_batched_tokens - batched)
+                       hidden, t.n_batched_tokens - batched, t.lanes, t.lane)
 
     def _chain(self, last: int, draft: Draft) -> list[int]:
         t, params, drafts = self.target, self.params, draft.tokens

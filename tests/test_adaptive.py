@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import ggufspec.costs as costs_module
-from ggufspec.costs import ContextCosts, CostModel, measure
+from ggufspec.costs import ContextCosts, CostModel, SharedBatch, measure
+from ggufspec.lockstep import micro_batches
 from ggufspec.policy import PLAIN, Plan, Timing
 from ggufspec.policy.adaptive import MIN_GAIN, PHRASE_MATCH, PROBE_EVERY, PROBE_GAIN, AdaptiveLength
 from ggufspec.policy.auto import AutoPolicy
@@ -247,6 +248,37 @@ def test_failed_probes_back_off_and_linear_targets_are_never_probed() -> None:
 
 # Measured on an AVX2-only 2-core machine here (ms): a 4-token batch costs 2.6 decodes of the benchmark target
 AVX2 = CostModel(verify=[0.0539, 0.0980, 0.1398, 0.1405], draft=0.0103)
+
+
+def test_a_batch_run_in_several_micro_batches_teaches_no_batch_price() -> None:
+    costs = CostModel(verify=[0.05, 0.09, 0.13, 0.14], draft=0.01)
+    length = AdaptiveLength(costs, k_max=3)
+    length.update(1, 1, Timing(0.5, 4, 0.01, 1, 1, verify_passes=2))  # a 4-token batch that took two passes
+    assert costs.verify == [0.05, 0.09, 0.13, 0.14]
+    length.update(1, 1, Timing(0.5, 4, 0.01, 1, 1))  # one pass: the same seconds move the price
+    assert costs.verify[3] > 0.14
+
+
+def test_llama_cpp_runs_unequal_chains_of_slots_in_several_micro_batches() -> None:
+    # llama_batch_allocr::split_equal over KV streams: consecutive sequences, as many tokens of each
+    assert micro_batches([1, 1, 1, 1]) == [4]
+    assert micro_batches([1, 1, 4]) == [3, 3]
+    assert micro_batches([2, 0, 2]) == [2, 2]  # a gap breaks the run
+    assert micro_batches([3, 3, 1]) == [3, 4]
+    assert micro_batches([]) == []
+
+
+def test_a_slot_drafts_in_a_shared_batch_only_where_the_whole_batch_gains() -> None:
+    """Priced per micro-batch: beside slots on plain steps a chain runs as a pass of its own, which even a guess
+    that is nearly always kept does not pay for on an AVX2 CPU; beside slots verifying 2-token chains, one draft
+    token evens the batch into one pass, cheaper than a plain step's two."""
+    plain = SharedBatch(AVX2, [1, 1, 1, 1], lane=3)
+    assert plain.step_seconds(1) == pytest.approx(AVX2.batch_seconds(4) + AVX2.batch_seconds(1) + AVX2.draft)
+    assert plain.best_k(0.95, 3, free=True) == 0
+    assert AVX2.best_k(0.95, 3, free=True) > 0  # alone, the same guess pays
+    chains = SharedBatch(AVX2, [2, 2, 2, 1], lane=3)
+    assert chains.step_seconds(1, free=True) < chains.step_seconds(0, free=True)
+    assert chains.best_k(0.5, 1, free=True) == 1
 
 
 def test_no_probes_where_even_good_drafts_would_gain_little() -> None:

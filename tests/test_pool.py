@@ -146,6 +146,31 @@ def test_a_long_prompt_joining_does_not_stall_the_others(tiny_target) -> None:
     assert len(during) >= n_chunks - 1, f"the short request got {len(during)} tokens during a {n_chunks}-chunk prefill"
 
 
+def test_each_slot_sees_its_shared_batch_per_sequence(tiny_target) -> None:
+    """The lanes a slot's decode reports are the real batch's: every member's tokens under its sequence id."""
+    lockstep = Lockstep()
+    a, b, c = LlamaCppDecoder.slots(tiny_target, DecoderOptions(n_ctx=768), 3, lockstep)
+    for d, first in ((a, 10), (c, 40)):
+        d.sync(list(range(first, first + 8)))
+    ready = threading.Barrier(2)
+
+    def step(d: LlamaCppDecoder, tokens: list[int]) -> None:
+        with lockstep.member():
+            ready.wait()  # both members before either submits: one tick runs both
+            d.feed(tokens)
+
+    threads = [threading.Thread(target=step, args=(a, [1])), threading.Thread(target=step, args=(c, [2, 3, 4]))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert a.lanes == c.lanes == (1, 0, 3)
+    assert (a.lane, b.lane, c.lane) == (0, 1, 2)
+    assert a.n_batched_tokens - 8 == 4  # after its 8-token sync alone
+    for d in (a, b, c):
+        d.close()
+
+
 def test_slots_refuse_what_a_shared_context_cannot_do(tiny_target) -> None:
     lockstep = Lockstep()
     with pytest.raises(ValueError, match="n_seq_max must be 1"):

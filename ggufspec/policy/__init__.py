@@ -38,6 +38,7 @@ class Timing:
     propose_seconds: float = 0.0
     draft_decodes: int = 0  # a draft model's batches and tokens this step (catching up on unseen context included)
     draft_tokens: int = 0
+    verify_passes: int = 1  # the micro-batches a shared batch ran in: its seconds price one batch only when 1
 
 
 class Policy(Protocol):

@@ -101,7 +101,8 @@ class AdaptiveLength:
             spent = t.verify_seconds + draft_s  # what the step really cost, the draft's catching up included
             # a draft catching up on many tokens in one batch says little about one draft step
             steps = decodes if tokens <= decodes + 1 else 0
-            c.observe(t.verify_tokens or drafted + 1, t.verify_seconds, steps, draft_s)
+            verify_s = t.verify_seconds if t.verify_passes == 1 else 0.0  # several passes' time is no batch's price
+            c.observe(t.verify_tokens or drafted + 1, verify_s, steps, draft_s)
         if self._probing:  # back off unless the probe itself beat plain steps
             paid = (accepted + 1) * c.verify[0] >= spent
             self.probe_every = PROBE_EVERY if paid else min(2 * self.probe_every, PROBE_EVERY_MAX)

@@ -40,7 +40,10 @@ class AutoPolicy:
         self._records = tuple(r for r in (self.lookup_length, self.phrase_length, self.copy_length, self.model_length)
                               if r is not None)
         self.lookup = self.model = None  # this generation's proposers, consulted while planning
-        self.others = 0  # other slots' tokens in the last target batch (EnginePool): steps are priced per batch
+        # the last target batch's tokens per sequence and this slot's sequence there (EnginePool): steps are priced
+        # per batch while other slots share it
+        self.lanes: tuple[int, ...] = ()
+        self.lane = 0
 
     @property
     def k_cap(self) -> int:
@@ -56,8 +59,8 @@ class AutoPolicy:
         """Price the next steps at the costs learned for a context of n_ctx tokens, in a batch shared with as many
         other slots' tokens as the last one had."""
         costs = self.context_costs.at(n_ctx)
-        if self.others:
-            costs = SharedBatch(costs, self.others)
+        if self.lanes and sum(self.lanes) > self.lanes[self.lane]:  # other slots' tokens rode along
+            costs = SharedBatch(costs, self.lanes, self.lane)
         for length in self._records:
             length.costs = costs
 
@@ -71,7 +74,7 @@ class AutoPolicy:
             length.restart()
         self._unverified.clear()
         self.source = self._proposed = None
-        self.others = 0
+        self.lanes, self.lane = (), 0
         return {"draft"} if self.model is not None and self.uses_model(len(prompt) + 1) else set()
 
     def uses_model(self, n_ctx: int | None = None) -> bool:
@@ -124,7 +127,7 @@ class AutoPolicy:
         return PLAIN
 
     def observe(self, plan: Plan, draft: Draft, verdict: Verdict, timing: Timing | None) -> None:
-        self.others = verdict.others
+        self.lanes, self.lane = verdict.lanes, verdict.lane
         drafted = kept = 0
         if plan.source in ("lookup", "draft"):
             drafted, kept = len(draft.tokens), verdict.kept
