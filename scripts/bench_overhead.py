@@ -6,6 +6,10 @@ ends with llama_synchronize). What is left is Python, numpy, ctypes, logits read
 detokenizing and bookkeeping: the engine's share. It prints the distribution (p50/p90/p99 in microseconds) and the
 share of generation time.
 
+With --parallel N, it runs N slots of an EnginePool instead, N prompts at a time (`stream_many`, 2N prompts a
+method and temperature), and reports the engine's share of the pool's time: the wall time less every tick's decode
+time (lockstep.Lockstep.decode_seconds), which is the slots' Python steps between ticks and the last ones' tails.
+
 With --llama-server, the same model runs in llama.cpp's own loop (its server, one slot, the same thread count and
 KV types) at the same temperatures: its time per token against ggufspec's, and against the decode time alone.
 
@@ -106,6 +110,31 @@ def llama_server_row(binary: str, target: Path, draft: Path | None, spec: str, t
         stop(proc)
 
 
+def pool_share(a: argparse.Namespace, temps: list[float], out) -> None:
+    """--parallel: per method and temperature, 2N prompts through N slots; the engine's share of the wall time."""
+    from ggufspec.decoder import DecoderOptions
+    from ggufspec.engine import GenerationSettings
+    from ggufspec.pool import EnginePool
+    from ggufspec.sampling import SamplingParams
+
+    n = a.parallel
+    texts = prompts(2 * n, start=a.prompts)  # after the warm-up's
+    with EnginePool.load(a.target, a.draft, DecoderOptions(n_ctx=4096 * n, n_threads=a.threads), parallel=n) as pool:
+        for method in a.methods.split(","):
+            for temp in temps:
+                s = GenerationSettings(max_tokens=a.n, method=method, sampling=SamplingParams(temp), seed=0)
+                for _ in pool.stream_many(prompts(n), s):  # warm-up (and auto's cost model)
+                    pass
+                lock = pool.lockstep
+                t0, dec0, ticks0 = time.perf_counter(), lock.decode_seconds, lock.n_ticks
+                tokens = sum(r.token is not None for _, r in pool.stream_many(texts, s) if not isinstance(r, Exception))
+                wall, dec, ticks = time.perf_counter() - t0, lock.decode_seconds - dec0, lock.n_ticks - ticks0
+                emit({"engine": "ggufspec", "parallel": n, "method": method, "temperature": temp,
+                      "prompts": len(texts), "tokens": tokens, "ticks": ticks, "tok_s": round(tokens / wall, 1),
+                      "engine_us_per_tick": round((wall - dec) / ticks * 1e6, 1),
+                      "engine_share": round((wall - dec) / wall, 4)}, out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny", type=Path, help="write (or reuse) the tiny pair in this folder")
@@ -116,6 +145,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=6, help="HumanEval and Spec-Bench dev first turns, alternating")
     ap.add_argument("-n", type=int, default=256, help="tokens per prompt")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--parallel", type=int, default=0, help="N slots of an EnginePool, N prompts at a time")
     ap.add_argument("--llama-server", help="llama-server built from the same llama.cpp source and flags")
     ap.add_argument("-o", "--out", type=Path)
     a = ap.parse_args()
@@ -133,6 +163,9 @@ def main() -> None:
     out = a.out.open("a") if a.out else None
     texts = prompts(a.prompts)
     temps = [float(x) for x in a.temps.split(",")]
+    if a.parallel:
+        pool_share(a, temps, out)
+        return
     engine = SpeculativeEngine.load(a.target, a.draft, DecoderOptions(n_ctx=4096, n_threads=a.threads))
     engine.answers = None  # every prompt once: no earlier answers to look up, as llama-server has none
     decode_ms: dict[float, float] = {}
