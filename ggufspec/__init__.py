@@ -11,7 +11,23 @@ from typing import TYPE_CHECKING
 # heads took ~100 ms instead of ~10. OpenBLAS reads this when it loads: it applies if numpy comes after us.
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
-# Loaded on first use, so `ggufspec --help` does not pay for importing llama.cpp.
+
+
+def _start_llama_cpp() -> None:
+    """Load llama.cpp and start its backends before anything else loads native code. On an H200 with a CUDA 13 build
+    (docs/benchmarks-parallel.md, "On a GPU"), every model load crashed (SIGSEGV in llama_model_load_from_file) in a
+    process that had imported gguf, sentencepiece or torch first, ggufspec's command line included; with llama.cpp
+    loaded and its devices enumerated first, the same loads ran. Cheap on a CPU build (no GPU to start)."""
+    try:
+        from .ggml_api import devices
+    except (ImportError, OSError):  # a broken llama-cpp-python: the commands that need it say so (`ggufspec doctor`)
+        return
+    devices()
+
+
+_start_llama_cpp()
+
+# The engine's modules load on first use (a script that only needs ggufspec.errors does not load them).
 _EXPORTS = {
     "Decoder": "decoder", "DecoderOptions": "decoder", "LlamaCppDecoder": "decoder",
     "GenerationResult": "engine", "GenerationSettings": "engine", "SpeculativeEngine": "engine",
