@@ -119,7 +119,7 @@ def pool_share(a: argparse.Namespace, temps: list[float], out) -> None:
 
     n = a.parallel
     texts = prompts(2 * n, start=a.prompts)  # after the warm-up's
-    with EnginePool.load(a.target, a.draft, DecoderOptions(n_ctx=4096 * n, n_threads=a.threads), parallel=n) as pool:
+    with EnginePool.load(a.target, a.draft, DecoderOptions(n_ctx=4096 * n, n_threads=a.threads, n_gpu_layers=a.n_gpu_layers), parallel=n) as pool:
         for method in a.methods.split(","):
             for temp in temps:
                 s = GenerationSettings(max_tokens=a.n, method=method, sampling=SamplingParams(temp), seed=0)
@@ -145,6 +145,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=6, help="HumanEval and Spec-Bench dev first turns, alternating")
     ap.add_argument("-n", type=int, default=256, help="tokens per prompt")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers on the GPU, both models (-1: all)")
     ap.add_argument("--parallel", type=int, default=0, help="N slots of an EnginePool, N prompts at a time")
     ap.add_argument("--llama-server", help="llama-server built from the same llama.cpp source and flags")
     ap.add_argument("-o", "--out", type=Path)
@@ -166,7 +167,7 @@ def main() -> None:
     if a.parallel:
         pool_share(a, temps, out)
         return
-    engine = SpeculativeEngine.load(a.target, a.draft, DecoderOptions(n_ctx=4096, n_threads=a.threads))
+    engine = SpeculativeEngine.load(a.target, a.draft, DecoderOptions(n_ctx=4096, n_threads=a.threads, n_gpu_layers=a.n_gpu_layers))
     engine.answers = None  # every prompt once: no earlier answers to look up, as llama-server has none
     decode_ms: dict[float, float] = {}
     try:
