@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
 
-
 def _start_llama_cpp() -> None:
     """Load llama.cpp and start its backends before anything else loads native code. On an H200 with a CUDA 13 build
     (docs/benchmarks-parallel.md, "On a GPU"), every model load crashed (SIGSEGV in llama_model_load_from_file) in a

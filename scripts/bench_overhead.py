@@ -119,7 +119,8 @@ def pool_share(a: argparse.Namespace, temps: list[float], out) -> None:
 
     n = a.parallel
     texts = prompts(2 * n, start=a.prompts)  # after the warm-up's
-    with EnginePool.load(a.target, a.draft, DecoderOptions(n_ctx=4096 * n, n_threads=a.threads, n_gpu_layers=a.n_gpu_layers), parallel=n) as pool:
+    options = DecoderOptions(n_ctx=4096 * n, n_threads=a.threads, n_gpu_layers=a.n_gpu_layers)
+    with EnginePool.load(a.target, a.draft, options, parallel=n) as pool:
         for method in a.methods.split(","):
             for temp in temps:
                 s = GenerationSettings(max_tokens=a.n, method=method, sampling=SamplingParams(temp), seed=0)
@@ -166,8 +167,11 @@ def main() -> None:
     temps = [float(x) for x in a.temps.split(",")]
     if a.parallel:
         pool_share(a, temps, out)
+        if out:
+            out.close()
         return
-    engine = SpeculativeEngine.load(a.target, a.draft, DecoderOptions(n_ctx=4096, n_threads=a.threads, n_gpu_layers=a.n_gpu_layers))
+    options = DecoderOptions(n_ctx=4096, n_threads=a.threads, n_gpu_layers=a.n_gpu_layers)
+    engine = SpeculativeEngine.load(a.target, a.draft, options)
     engine.answers = None  # every prompt once: no earlier answers to look up, as llama-server has none
     decode_ms: dict[float, float] = {}
     try:
