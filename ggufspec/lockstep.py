@@ -129,13 +129,14 @@ class Lockstep:
                             runner.run(subs)
                         except Exception:  # the submissions keep rc -1: each member raises its decode's error
                             pass
-                        seconds, n = time.perf_counter() - t0, sum(len(s.tokens) for s in subs)
+                        seconds = time.perf_counter() - t0
                         self.decode_seconds += seconds
                         lanes = [0] * (1 + max(s.seq_ids[0][0] for s in subs))
                         for s in subs:
                             lanes[s.seq_ids[0][0]] += len(s.tokens)
+                        shape, n = tuple(lanes), sum(lanes)  # the whole batch: per sequence, and its tokens
                         for s in subs:
-                            s.seconds, s.batch, s.lanes = seconds, n, tuple(lanes)
+                            s.seconds, s.batch, s.lanes = seconds, n, shape
                     self.n_ticks += 1
                 finally:
                     self._generation += 1

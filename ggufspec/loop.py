@@ -46,7 +46,8 @@ def generate_steps(
 def _timing(verdict: Verdict, after: Counters | None, before: Counters | None) -> Timing:
     """What a step cost: the verifier's pass (the whole batch it rode in: its seconds are that batch's), and the
     proposer's work between its counters before and after."""
-    batch, passes = max(verdict.shared, verdict.batch), max(len(micro_batches(verdict.lanes)), 1)
+    batch = max(verdict.shared, verdict.batch)
+    passes = len(micro_batches(verdict.lanes)) if verdict.lanes else 1  # a context of its own: one pass
     if after is None or before is None:
         return Timing(verdict.seconds, batch, verify_passes=passes)
     return Timing(verdict.seconds, batch, after.seconds - before.seconds, after.decodes - before.decodes,
