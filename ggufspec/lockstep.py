@@ -69,7 +69,12 @@ class Lockstep:
     same decodes on one thread gave 15-17, docs/benchmarks-parallel.md)."""
 
     def __init__(self) -> None:
-        self.lock = threading.Condition(threading.RLock())
+        self.lock = threading.RLock()
+        # two conditions on it, so that a submission wakes only the decode thread, and only when it completes a tick:
+        # with one condition for both, every submission woke every waiting member too (N^2 wake-ups a tick, each a
+        # turn of Python's lock: docs/benchmarks-parallel.md, "the engine's share")
+        self._ready = threading.Condition(self.lock)  # the decode thread waits here for a complete tick
+        self._ticked = threading.Condition(self.lock)  # members wait here for their tick to run
         self._members = 0
         self._tick = _Tick()
         self._generation = 0  # ticks run so far
@@ -93,7 +98,7 @@ class Lockstep:
             if depth == 0:
                 with self.lock:
                     self._members -= 1
-                    self.lock.notify_all()  # the decode thread may have waited for this member only
+                    self._ready.notify()  # the decode thread may have waited for this member only
 
     def submit(self, runner: Runner, sub: Submission) -> Submission:
         """Queue `sub` for `runner`'s next batch and wait until it has run; `sub` comes back with its results."""
@@ -103,9 +108,10 @@ class Lockstep:
                 entry[1].append(sub)
                 generation = self._generation
                 self._start()
-                self.lock.notify_all()
+                if self._tick.waiting >= self._members:
+                    self._ready.notify()
                 while self._generation == generation:
-                    self.lock.wait()
+                    self._ticked.wait()
         return sub
 
     def _start(self) -> None:
@@ -119,7 +125,7 @@ class Lockstep:
             while True:
                 tick = self._tick
                 if tick.waiting == 0 or tick.waiting < self._members:
-                    self.lock.wait()
+                    self._ready.wait()
                     continue
                 self._tick = _Tick()
                 try:
@@ -140,7 +146,7 @@ class Lockstep:
                     self.n_ticks += 1
                 finally:
                     self._generation += 1
-                    self.lock.notify_all()
+                    self._ticked.notify_all()
 
 
 def micro_batches(lanes: Sequence[int]) -> list[int]:
