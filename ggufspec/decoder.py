@@ -784,6 +784,7 @@ class _SharedContext:
     def __init__(self, owner: LlamaCppDecoder) -> None:
         self.owner = owner
         self._hidden_on = owner.options.embeddings
+        self._views: dict[tuple[int, int, int], np.ndarray] = {}  # see _rows
 
     def run(self, subs: list[Submission]) -> None:
         o = self.owner
@@ -804,19 +805,34 @@ class _SharedContext:
         if rc == 0:
             llama_cpp.llama_synchronize(o._ctx)  # as in _run_batch: the submissions' seconds include the computation
         o._batch.reset_sequences(n)
-        row = 0
+        if rc == 0:
+            n_out = sum(sum(map(bool, s.outputs)) for s in subs)
+            logits = self._rows(llama_cpp.llama_get_logits(o._ctx), n_out, o.n_vocab)
+            states = self._rows(llama_cpp.llama_get_embeddings(o._ctx), n_out, o.n_embd) if hidden else None
+        row = 0  # llama.cpp keeps the output rows in batch order, each submission's together
         for s in subs:
             s.rc = rc
             if rc == 0:
-                rows = [row + i for i, out in enumerate(s.outputs) if out]
-                s.logits = np.stack([_row(llama_cpp.llama_get_logits_ith(o._ctx, i), o.n_vocab) for i in rows])
+                k = sum(map(bool, s.outputs))
+                s.logits = logits[row : row + k].copy()
                 if hidden and s.hidden:
-                    s.states = np.stack([_row(llama_cpp.llama_get_embeddings_ith(o._ctx, i), o.n_embd) for i in rows])
-            row += len(s.tokens)
+                    s.states = states[row : row + k].copy()
+                row += k
 
-
-def _row(ptr, n: int) -> np.ndarray:
-    return np.ctypeslib.as_array(ptr, shape=(n,)).copy()
+    def _rows(self, ptr, n_rows: int, width: int) -> np.ndarray:
+        """The batch's output rows (n_rows, width) in llama.cpp's buffer at `ptr`, as a read-only view made once per
+        address and shape: a view and a stack per row (np.ctypeslib.as_array) cost about 0.3 ms a slot a tick, as
+        much as the rest of its step (docs/benchmarks-parallel.md, "the engine's share")."""
+        if not ptr:
+            raise GGUFSpecError("llama.cpp returned no outputs for this batch")
+        key = (ctypes.addressof(ptr.contents), n_rows, width)
+        rows = self._views.get(key)
+        if rows is None:
+            if len(self._views) > 64:
+                self._views.clear()
+            rows = self._views[key] = np.ctypeslib.as_array(ptr, shape=(n_rows, width))
+            rows.flags.writeable = False  # llama.cpp's buffer: readers only
+        return rows
 
 
 def prefill(d: Decoder, context: list[int]) -> None:
