@@ -142,6 +142,9 @@ class SharedBatch(CostModel):
         self.base, self.lane = base, lane
         self.lanes = list(lanes)  # a copy: step_seconds puts each priced chain in this slot's lane
         self.others = sum(lanes) - lanes[lane]
+        # (k, free) -> step_seconds, until the base learns: a step's plan prices each length several times, and
+        # with 8 slots that pricing was most of a slot's Python time (docs/benchmarks-parallel.md)
+        self._steps: dict[tuple[int, bool], float] = {}
 
     verify = property(lambda self: self.base.verify)
     draft = property(lambda self: self.base.draft)
@@ -149,13 +152,18 @@ class SharedBatch(CostModel):
     long_verify = property(lambda self: self.base.long_verify)
 
     def step_seconds(self, k: int, free: bool = False) -> float:
-        self.lanes[self.lane] = k + 1
-        return k * (0.0 if free else self.draft) + sum(self.batch_seconds(n) for n in micro_batches(self.lanes))
+        seconds = self._steps.get((k, free))
+        if seconds is None:
+            self.lanes[self.lane] = k + 1
+            seconds = k * (0.0 if free else self.draft) + sum(map(self.base.batch_seconds, micro_batches(self.lanes)))
+            self._steps[k, free] = seconds
+        return seconds
 
     def rate(self, k: int, tokens: float, free: bool = False) -> float:
         return (self.others + tokens) / self.step_seconds(k, free)
 
     def observe(self, *args, **kwargs) -> None:
+        self._steps.clear()
         self.base.observe(*args, **kwargs)
 
     def copy(self) -> CostModel:

@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Protocol
 
 import numpy as np
@@ -155,11 +156,16 @@ def micro_batches(lanes: Sequence[int]) -> list[int]:
     consecutive ids, starting at the lowest with tokens left (llama_batch_allocr::split_equal, sequential). So
     chains of unequal lengths take several passes: 1 + 1 + 4 tokens of sequences 0, 1, 2 run as 3 tokens, then 3.
     (llama.cpp also caps each at n_ubatch tokens: prefill chunks; verification chains stay far below it.)"""
+    return list(_micro_batches(tuple(lanes)))
+
+
+@lru_cache(maxsize=4096)  # `auto` prices every draft length against the same lanes each step
+def _micro_batches(lanes: tuple[int, ...]) -> tuple[int, ...]:
     left, sizes = list(lanes), []
     while True:
         first = next((i for i, n in enumerate(left) if n), None)
         if first is None:
-            return sizes
+            return tuple(sizes)
         end = first
         while end < len(left) and left[end]:
             end += 1
