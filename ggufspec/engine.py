@@ -55,6 +55,7 @@ class GenerationSettings:
     context_shift: bool = False  # when the context is full, drop older tokens instead of stopping
     medusa_tree: str | None = None  # method medusa: a tree name or JSON choices file (default: the heads' own, else mc_sim_7b_63)
     typical: bool = False  # method medusa at temperature > 0: typical acceptance, faster but NOT exact
+    ignore_eos: bool = False  # llama-server's: end-of-generation tokens are never picked; runs to max_tokens
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -329,10 +330,12 @@ class SpeculativeEngine:
         # earlier answers only at temperature 0: guesses drawn from them would change which random numbers a sampled
         # run uses, and a seed must repeat a run (its text stays the target's either way)
         answers = self.answers if method.answers and s.sampling.greedy else None
-        setup = Setup(self.target, s.sampling, rng, draft, s.draft_p_min, leaves, self.medusa, tree, answers)
+        suppressed = np.array(sorted(self.target.vocab.eog_ids), dtype=np.int64) if s.ignore_eos else None
+        setup = Setup(self.target, s.sampling, rng, draft, s.draft_p_min, leaves, self.medusa, tree, answers, suppressed)
         proposers = {name: PROPOSERS[name].build(setup) for name in sources}
         policy = method.policy(self, s, sources, tree)
-        return Verifier(self.target, s.sampling, rng, hidden=tree is not None, typical=s.typical), proposers, policy
+        verifier = Verifier(self.target, s.sampling, rng, tree is not None, s.typical, suppressed)
+        return verifier, proposers, policy
 
     def medusa_tree(self, s: GenerationSettings) -> Tree:
         """The tree a Medusa run with settings `s` draws its nodes from: the one named, else the heads' own fitted

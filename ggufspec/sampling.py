@@ -36,6 +36,17 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def suppress(logits: np.ndarray, tokens: np.ndarray | None) -> np.ndarray:
+    """`logits` with the columns of `tokens` at -inf, a copy (the rows are often llama.cpp's buffer); the same
+    array when `tokens` is None. llama-server's ignore_eos: end-of-generation tokens are never picked, so the
+    target's distribution is the one over the other tokens, and greedy its argmax among them."""
+    if tokens is None:
+        return logits
+    out = np.array(logits, dtype=np.float32)
+    out[..., tokens] = -np.inf
+    return out
+
+
 def softmax(logits: np.ndarray, scale: float = 1.0) -> np.ndarray:
     """Row-wise softmax of `logits * scale`, float32, rows normalised by float64 sums.
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from .decoder import Decoder, prefill
 from .proposers import Draft
-from .sampling import SamplingParams, pick, probabilities, sample
+from .sampling import SamplingParams, pick, probabilities, sample, suppress
 from .trees import Tree, residual, walk
 
 TYPICAL_THRESHOLD = 0.09  # Medusa's posterior_threshold (epsilon)
@@ -107,11 +107,13 @@ def pad_vocab(q: np.ndarray, n_vocab: int) -> np.ndarray:
 class Verifier:
     """Runs the target: a prefill, then one pass per proposal. `hidden`: return the target's hidden state with each
     verdict (Medusa's heads read it; the target must have embeddings on). `typical`: Medusa's typical acceptance
-    for trees when sampling (NOT exact; opt-in)."""
+    for trees when sampling (NOT exact; opt-in). `suppressed`: token ids the target never picks (ignore_eos: its
+    end-of-generation tokens), as if their logits were -inf."""
 
     def __init__(self, target: Decoder, params: SamplingParams, rng: np.random.Generator,
-                 hidden: bool = False, typical: bool = False) -> None:
+                 hidden: bool = False, typical: bool = False, suppressed: np.ndarray | None = None) -> None:
         self.target, self.params, self.rng, self.hidden = target, params, rng, hidden
+        self.suppressed = suppressed
         self.typical = typical and not params.greedy
         self.deferred = 0  # see Verdict.deferred
 
@@ -135,7 +137,7 @@ class Verifier:
             self.deferred = 0  # a chain decodes the deferred tokens in front of it
         else:
             nodes = np.array([last, *draft.tokens])
-            logits = t.tree_logits(nodes, draft.tree.parents)
+            logits = suppress(t.tree_logits(nodes, draft.tree.parents), self.suppressed)
             q = None if draft.q is None else [None, *pad_vocab(draft.q, logits.shape[-1])]
             if self.typical:
                 path, nxt = walk_typical(draft.tree, nodes, logits, self.params, self.rng)
@@ -151,8 +153,8 @@ class Verifier:
     def _chain(self, last: int, draft: Draft) -> list[int]:
         t, params, drafts = self.target, self.params, draft.tokens
         if not drafts:  # a plain step: nothing to judge, nothing to roll back
-            return [pick(t.feed([last], view=True)[-1], params, self.rng)]
-        logits = t.feed([last, *drafts], view=True)
+            return [pick(suppress(t.feed([last], view=True)[-1], self.suppressed), params, self.rng)]
+        logits = suppress(t.feed([last, *drafts], view=True), self.suppressed)
         if params.greedy:
             new = accept_greedy(logits, drafts)
         else:

@@ -29,6 +29,15 @@ def test_generate_json_matches_the_api(smollm2_path) -> None:
     assert out["stats"]["generated_tokens"] == len(out["tokens"]) and out["stats"]["target_passes"] >= 1
 
 
+def test_generate_ignore_eos_runs_to_n_tokens(smollm2_path) -> None:
+    runs = {flag: CliRunner().invoke(main, ["generate", "-m", str(smollm2_path), "-n", "24", "--json", *flag,
+                                            "What is 2+2?"]) for flag in ((), ("--ignore-eos",))}
+    outs = {flag: json.loads(r.output) for flag, r in runs.items() if r.exit_code == 0}
+    assert len(outs) == 2, [r.output for r in runs.values()]
+    assert len(outs[()]["tokens"]) < 24 and len(outs[("--ignore-eos",)]["tokens"]) == 24
+    assert outs[("--ignore-eos",)]["text"].startswith(outs[()]["text"])
+
+
 def test_generate_chat_streams_and_prints_stats(smollm2_path) -> None:
     r = subprocess.run(
         [sys.executable, "-m", "ggufspec.cli", "generate", "-m", str(smollm2_path), "-d", str(smollm2_path),

@@ -196,3 +196,34 @@ def test_seeded_sampling_is_reproducible(tiny_target, tiny_draft) -> None:
         c = engine.generate("Hello", GenerationSettings(max_tokens=30, sampling=SamplingParams(0.8, top_p=0.9), seed=8))
     assert a.tokens == b.tokens
     assert a.tokens != c.tokens
+
+
+def test_ignore_eos_goes_on_with_the_targets_own_pick_among_the_other_tokens(smollm2_path, smollm2_q4_0) -> None:
+    """llama-server's ignore_eos: an answer that ends by itself goes on to max_tokens, each token the target's argmax
+    with its end-of-generation tokens left out (checked against single-token decoding by hand), the same text for
+    every method; sampled, no end-of-generation token either."""
+    question = [{"role": "user", "content": "What is 2+2?"}]
+    n = 40
+    with SpeculativeEngine.load(smollm2_path, smollm2_q4_0) as engine:
+        eog = sorted(engine.target.vocab.eog_ids)
+        alone = engine.generate(question, GenerationSettings(max_tokens=n, method="autoregressive"))
+        assert alone.stop_reason == "stop" and len(alone.tokens) < n // 2  # it ends by itself
+        prompt = engine.encode(question, engine.n_ctx)
+        with open_decoder(smollm2_path) as d:
+            want, logits = [], d.feed(prompt)[-1]
+            while len(want) < n:
+                masked = logits.copy()
+                masked[eog] = -np.inf
+                want.append(int(masked.argmax()))
+                logits = d.feed([want[-1]])[-1]
+        assert want[: len(alone.tokens)] == alone.tokens
+        for method in ("autoregressive", "vanilla", "lookup", "auto"):
+            got = engine.generate(question, GenerationSettings(max_tokens=n, method=method, ignore_eos=True))
+            assert got.stop_reason == "max_tokens", method
+            assert got.tokens == want, method
+        for method in ("autoregressive", "vanilla"):
+            sampled = GenerationSettings(max_tokens=n, method=method, sampling=SamplingParams(1.0), seed=3,
+                                         ignore_eos=True)
+            got = engine.generate(question, sampled)
+            assert len(got.tokens) == n and not set(got.tokens) & set(eog), method
+            assert engine.generate(question, sampled).tokens == got.tokens  # a seed still repeats a run

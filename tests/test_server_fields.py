@@ -91,7 +91,7 @@ CHANGING = [
     ("min_keep", 5), ("dynatemp_range", 0.5), ("dry_multiplier", 0.8), ("xtc_probability", 0.5),
     ("logit_bias", {"42": -100}), ("logit_bias", [[42, False]]), ("n_probs", 3), ("logprobs", True),
     ("top_logprobs", 2), ("n", 2), ("best_of", 3), ("tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("tool_choice", "required"), ("ignore_eos", True), ("samplers", ["top_k", "top_p", "min_p", "temperature"]),
+    ("tool_choice", "required"), ("samplers", ["top_k", "top_p", "min_p", "temperature"]),
     ("samplers", "edkypmxt"), ("samplers", ["temperature"]), ("samplers", 7), ("n_keep", 10), ("n_keep", -1),
     ("t_max_predict_ms", 500), ("lora", [{"id": 0, "scale": 1.0}]), ("chat_template_kwargs", {"enable_thinking": True}),
     ("echo", True), ("suffix", "end"), ("min_tokens", 4), ("stop_token_ids", [2]), ("guided_regex", "[0-9]+"),
@@ -157,8 +157,29 @@ def test_the_refusal_table_covers_llama_servers_and_openais_fields() -> None:
     for field in ("grammar", "json_schema", "response_format", "repeat_penalty", "repeat_last_n", "presence_penalty",
                   "frequency_penalty", "mirostat", "mirostat_tau", "mirostat_eta", "typical_p", "tfs_z",
                   "dry_multiplier", "xtc_probability", "logit_bias", "n_probs", "logprobs", "top_logprobs", "n",
-                  "tools", "tool_choice", "ignore_eos", "penalize_nl", "samplers", "dynatemp_range", "n_keep"):
+                  "tools", "tool_choice", "penalize_nl", "samplers", "dynatemp_range", "n_keep"):
         assert field in REFUSED, field
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_ignore_eos_runs_an_answer_that_would_end_to_max_tokens(server, stream) -> None:
+    """llama-server's ignore_eos: the end-of-generation token is never picked (what the text is, test_equivalence)."""
+    body = {"messages": [{"role": "user", "content": "What is 2+2?"}], "max_tokens": 24, "temperature": 0,
+            "stream": stream, "stream_options": {"include_usage": True} if stream else None}
+    runs = {}
+    for ignore in (False, True):
+        code, _, out = post(server, "/v1/chat/completions", {**body, "ignore_eos": ignore})
+        assert code == 200, out
+        last = [c for c in out if isinstance(c, dict)][-1] if stream else out
+        finish = [c["choices"][0]["finish_reason"] for c in out if isinstance(c, dict) and c.get("choices")][-1] \
+            if stream else out["choices"][0]["finish_reason"]
+        runs[ignore] = (finish, last["usage"]["completion_tokens"],
+                        streamed_text(out) if stream else out["choices"][0]["message"]["content"])
+    assert runs[False][:2] == ("stop", runs[False][1]) and runs[False][1] < 24
+    assert runs[True][:2] == ("length", 24)
+    assert runs[True][2].startswith(runs[False][2])
+    code, _, out = post(server, "/v1/chat/completions", {**body, "ignore_eos": "sometimes"})
+    assert code == 400 and out["error"]["param"] == "ignore_eos", out
 
 
 # --- n_predict ----------------------------------------------------------------------------------------------------------

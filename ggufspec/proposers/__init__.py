@@ -111,6 +111,7 @@ class Setup:
     heads: Heads | None = None
     tree: Tree | None = None  # Medusa's static tree, cut to the heads' depth
     answers: AnswerPool | None = None  # earlier answers lookup may continue (auto's: it prices their guesses)
+    suppressed: np.ndarray | None = None  # token ids the target never picks (ignore_eos): drafts leave them out
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,7 @@ def _lookup(s: Setup) -> Proposer:
 
 def _draft_model(s: Setup) -> Proposer:
     assert s.draft is not None
-    return DraftModelProposer(s.draft, s.target.n_vocab, s.params, s.rng, s.draft_p_min, s.tree_leaves)
+    return DraftModelProposer(s.draft, s.target.n_vocab, s.params, s.rng, s.draft_p_min, s.tree_leaves, s.suppressed)
 
 
 def _medusa(s: Setup) -> Proposer:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..decoder import Decoder, common_prefix, prefill
-from ..sampling import SamplingParams, probabilities, sample, softmax
+from ..sampling import SamplingParams, probabilities, sample, softmax, suppress
 from ..trees import ordered_tree
 from . import NO_DRAFT, Context, Counters, Draft
 
@@ -17,15 +17,16 @@ REACH_MIN = 0.3
 
 class DraftModelProposer:
     """Chains of up to k tokens, stopped early where the draft's top probability < p_min; with tree_leaves > 1,
-    trees of up to that many leaves. When sampling, each token comes with the distribution it was drawn from."""
+    trees of up to that many leaves. When sampling, each token comes with the distribution it was drawn from.
+    `suppressed`: token ids it never proposes (those the verifier's target never picks)."""
 
     name = "draft"
     reach_min = REACH_MIN
 
     def __init__(self, draft: Decoder, n_vocab: int, params: SamplingParams, rng: np.random.Generator,
-                 p_min: float = 0.0, tree_leaves: int = 0) -> None:
+                 p_min: float = 0.0, tree_leaves: int = 0, suppressed: np.ndarray | None = None) -> None:
         self.draft, self.n_vocab, self.p_min, self.tree_leaves = draft, n_vocab, p_min, tree_leaves
-        self.params, self.rng = params, rng
+        self.params, self.rng, self.suppressed = params, rng, suppressed
         self.counters = Counters()
 
     def begin(self, prompt: list[int], warm: bool) -> None:
@@ -54,7 +55,7 @@ class DraftModelProposer:
 
     def _chain(self, context: list[int], k: int) -> Draft:
         params, rng = self.params, self.rng
-        logits = self.draft.sync(context, view=True)[-1, : self.n_vocab]
+        logits = self._logits(self.draft.sync(context, view=True))
         tokens: list[int] = []
         qs: list[np.ndarray] = []
         while True:
@@ -65,8 +66,12 @@ class DraftModelProposer:
                 tokens.append(sample(qs[-1], rng))
             if len(tokens) == k or (self.p_min > 0 and softmax(logits).max() < self.p_min):
                 break
-            logits = self.draft.feed([tokens[-1]], view=True)[-1, : self.n_vocab]
+            logits = self._logits(self.draft.feed([tokens[-1]], view=True))
         return Draft(tokens, q=np.stack(qs) if qs else None, source=self.name)
+
+    def _logits(self, rows: np.ndarray) -> np.ndarray:
+        """The last row's logits over the target's vocabulary, suppressed tokens at -inf."""
+        return suppress(rows[-1, : self.n_vocab], self.suppressed)
 
     def _tree(self, context: list[int], k: int) -> Draft:
         """k nodes: the draft's chain (its best guesses when greedy, draws from its q when sampling) while its chance of
@@ -78,7 +83,7 @@ class DraftModelProposer:
         chain: list[int] = []
         dists: list[np.ndarray] = []  # per depth: the draft's distribution (its plain softmax when greedy)
         reach = [1.0]  # chance of the chain before each depth, then of the whole chain
-        logits = self.draft.sync(context, view=True)[-1, : self.n_vocab]
+        logits = self._logits(self.draft.sync(context, view=True))
         while True:
             z = softmax(logits) if params.greedy else probabilities(logits, params)
             chain.append(int(z.argmax()) if params.greedy else sample(z, rng))
@@ -90,7 +95,7 @@ class DraftModelProposer:
             reach.append(reach[-1] * top)
             if len(chain) == k or reach[-1] < self.reach_min or top < self.p_min:
                 break
-            logits = self.draft.feed([chain[-1]], view=True)[-1, : self.n_vocab]
+            logits = self._logits(self.draft.feed([chain[-1]], view=True))
         chain_only = Draft(chain, q=None if params.greedy else np.stack(dists), source=self.name)
         room = min(k - len(chain), self.tree_leaves - 1)  # every runner-up is a leaf, as is the chain's end
         if room <= 0:

@@ -59,6 +59,7 @@ class CommonRequest(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    ignore_eos: bool | None = None  # llama-server's: never pick an end-of-generation token (None: the server's)
     speculative: Speculative | None = None
 
 
@@ -169,7 +170,6 @@ REFUSED: dict[str, tuple[Harmless, str]] = {
     "xtc_threshold": (_unused_unless("xtc_probability"), "XTC is not implemented"),
     "samplers": (_samplers, f"ggufspec samples with {', '.join(SAMPLER_ORDER)}, in that order"),
     "n_probs": (_OFF, "probabilities are not implemented"),
-    "ignore_eos": (_OFF, "generation ends at the end-of-generation token"),
     "n_keep": (_OFF, "the tokens a context shift keeps are not chosen per request"),
     "t_max_predict_ms": (_OFF, "time limits are not implemented"),
     "lora": (_OFF, "LoRA adapters are not implemented"),

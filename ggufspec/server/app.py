@@ -137,6 +137,7 @@ def create_app(worker: Worker, settings: GenerationSettings, model_id: str, limi
             s = replace(d, max_tokens=max_tokens or d.max_tokens, sampling=sampling,
                         seed=d.seed if body.seed is None else body.seed, stop=tuple(stops),
                         method=spec.method or d.method, draft_max=spec.draft_max or d.draft_max,
+                        ignore_eos=d.ignore_eos if body.ignore_eos is None else body.ignore_eos,
                         draft_p_min=d.draft_p_min if spec.draft_p_min is None else spec.draft_p_min)
         except ValueError as e:
             raise APIError(400, str(e)) from None
