@@ -58,9 +58,12 @@ def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 600) -> Non
     raise RuntimeError("the server did not become healthy")
 
 
-def one_request(port: int, prompt: str, max_tokens: int, temperature: float, seed: int) -> dict:
+def one_request(port: int, prompt: str, max_tokens: int, temperature: float, seed: int, extra: dict | None = None,
+                ) -> dict:
+    # top_k, top_p and min_p off: llama-server's defaults (40, 0.95, 0.05) would sample another distribution
     body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "seed": seed,
-                       "stream": True, "stream_options": {"include_usage": True}}).encode()
+                       "top_k": 0, "top_p": 1.0, "min_p": 0.0,
+                       "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
                                  {"Content-Type": "application/json"})
     t0 = time.perf_counter()
@@ -85,7 +88,7 @@ def one_request(port: int, prompt: str, max_tokens: int, temperature: float, see
 
 
 def run_clients(port: int, clients: int, per_client: int, max_tokens: int, temperature: float,
-                start: int = 0) -> dict:
+                start: int = 0, extra: dict | None = None) -> dict:
     """`clients` threads send the prompts from the `start`-th on, `per_client` each, as fast as answered."""
     work = list(enumerate(prompts(clients * per_client, start)))
     results: dict[int, dict] = {}
@@ -97,7 +100,7 @@ def run_clients(port: int, clients: int, per_client: int, max_tokens: int, tempe
                 if not work:
                     return
                 i, prompt = work.pop(0)
-            results[i] = one_request(port, prompt, max_tokens, temperature, seed=1000 + i)
+            results[i] = one_request(port, prompt, max_tokens, temperature, 1000 + i, extra)
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=client) for _ in range(clients)]
@@ -139,9 +142,12 @@ def main() -> None:
     ap.add_argument("-n", "--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--ignore-eos", action="store_true",
+                    help="every answer runs to -n tokens (llama-server's ignore_eos): sampled runs of equal lengths")
     ap.add_argument("-o", "--output", default=None, help="append the JSON lines here too")
     a = ap.parse_args()
     levels = [int(x) for x in a.clients.split(",")]
+    extra = {"ignore_eos": True} if a.ignore_eos else {}
     out = open(a.output, "a") if a.output else None
     for name, _, command in (s.partition("=") for s in a.server):
         port = free_port()
@@ -154,7 +160,8 @@ def main() -> None:
             for r in range(a.rounds):
                 for c in (levels if r % 2 == 0 else levels[::-1]):
                     row = {"server": name, "round": r, "temperature": a.temperature, "max_tokens": a.max_tokens,
-                           **run_clients(port, c, a.requests_per_client, a.max_tokens, a.temperature, start)}
+                           "ignore_eos": a.ignore_eos,
+                           **run_clients(port, c, a.requests_per_client, a.max_tokens, a.temperature, start, extra)}
                     start += c * a.requests_per_client
                     emit(row, out)
         finally:
