@@ -142,8 +142,8 @@ class SharedBatch(CostModel):
         self.base, self.lane = base, lane
         self.lanes = list(lanes)  # a copy: step_seconds puts each priced chain in this slot's lane
         self.others = sum(lanes) - lanes[lane]
-        # (k, free) -> step_seconds, until the base learns: a step's plan prices each length several times, and
-        # with 8 slots that pricing was most of a slot's Python time (docs/benchmarks-parallel.md)
+        # (k, free) -> step_seconds, until the base learns: a step's plan prices each length several times, and with
+        # 8 slots on `auto` that pricing took about a quarter of a slot's Python time (docs/benchmarks-parallel.md)
         self._steps: dict[tuple[int, bool], float] = {}
 
     verify = property(lambda self: self.base.verify)
