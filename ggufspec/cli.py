@@ -237,7 +237,7 @@ OPTIONS: tuple[Option, ...] = (
                 "no longer follows the target's sampling distribution. Without it Medusa samples exactly; at --temp 0 "
                 "it is greedy."),
     option("--stop", "-r", "--reverse-prompt", "stop", serves=GENERATION, multiple=True, help="Stop string (repeatable)."),
-    option("--ignore-eos", serves=GENERATION, is_flag=True,
+    option("--ignore-eos", serves={"generate", "serve"}, is_flag=True,
            help="Never pick an end-of-generation token (as llama.cpp's --ignore-eos): generate exactly -n tokens, "
                 "from the target's distribution over the other tokens. For benchmarks of equal lengths.",
            per={"serve": dict(help="Requests that leave out ignore_eos never pick an end-of-generation token "
@@ -347,8 +347,7 @@ def decoder_options(n_ctx, n_batch, n_ubatch, threads, threads_batch, n_gpu_laye
 
 
 _GENERATION_KEYS = ("target", "draft", "preset", "method", "max_tokens", "temp", "top_k", "top_p", "min_p", "seed",
-                    "draft_max", "draft_p_min", "medusa_path", "medusa_tree", "medusa_vocab", "typical", "stop",
-                    "ignore_eos")
+                    "draft_max", "draft_p_min", "medusa_path", "medusa_tree", "medusa_vocab", "typical", "stop")
 _MODEL_KEYS = tuple(inspect.signature(decoder_options).parameters)
 
 
@@ -361,6 +360,7 @@ def load_engine(params: dict, default_method: str | None = None, parallel: int |
     from .sampling import SamplingParams
 
     g = {k: params.pop(k) for k in _GENERATION_KEYS}
+    ignore_eos = params.pop("ignore_eos", False)  # generate's and serve's (a chat turn would never end)
     options = decoder_options(**{k: params.pop(k) for k in _MODEL_KEYS})
     target, draft, medusa_path, method, draft_max = g["target"], g["draft"], g["medusa_path"], g["method"], g["draft_max"]
     if target is None:
@@ -375,7 +375,7 @@ def load_engine(params: dict, default_method: str | None = None, parallel: int |
     settings = GenerationSettings(
         max_tokens=g["max_tokens"] or options.n_ctx, sampling=SamplingParams(g["temp"], g["top_k"], g["top_p"], g["min_p"]),
         method=method, draft_max=draft_max, draft_p_min=g["draft_p_min"], seed=g["seed"], stop=tuple(g["stop"]),
-        medusa_tree=g["medusa_tree"], typical=g["typical"], ignore_eos=g["ignore_eos"], **settings_extra,
+        medusa_tree=g["medusa_tree"], typical=g["typical"], ignore_eos=ignore_eos, **settings_extra,
     )
     if parallel is not None:
         from .pool import EnginePool
