@@ -238,8 +238,9 @@ OPTIONS: tuple[Option, ...] = (
                 "it is greedy."),
     option("--stop", "-r", "--reverse-prompt", "stop", serves=GENERATION, multiple=True, help="Stop string (repeatable)."),
     option("--ignore-eos", serves={"generate", "serve"}, is_flag=True,
-           help="Never pick an end-of-generation token (as llama.cpp's --ignore-eos): generate exactly -n tokens, "
-                "from the target's distribution over the other tokens. For benchmarks of equal lengths.",
+           help="Never pick an end-of-generation token (as llama.cpp's --ignore-eos): run to -n tokens (a --stop "
+                "string still ends it), from the target's distribution over the other tokens. For benchmarks of "
+                "equal lengths.",
            per={"serve": dict(help="Requests that leave out ignore_eos never pick an end-of-generation token "
                                    "(llama.cpp's --ignore-eos).")}),
     # what bench does with the runs
