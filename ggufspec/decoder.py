@@ -302,7 +302,7 @@ class LlamaCppDecoder:
         self._n_out = 0  # rows of hidden states the last decode computed
         self._hidden_on = opts.embeddings
         self._abort_on = False  # llama_log.abort_check installed: see ABORTABLE_BATCH
-        self._views: dict[tuple[int, int], np.ndarray] = {}  # see _logits
+        self._views: dict[tuple[int, int, int], np.ndarray] = {}  # see _buffer_rows
         self._skip = 0  # leading rows of the last decode that were deferred tokens, not asked for
         self._deferred: list[int] = []
         self._unrecorded = False  # a decode's cells may be in the KV cache without being in the history
@@ -486,18 +486,7 @@ class LlamaCppDecoder:
     def _logits(self, n_rows: int, view: bool = False) -> np.ndarray:
         if self.shared:
             return self._sub.logits  # the rows it asked for, copied: n_rows of them
-        ptr = llama_cpp.llama_get_logits(self._ctx)
-        if not ptr:
-            raise GGUFSpecError("llama.cpp returned no logits for this batch")
-        # a view per buffer address and row count, made once: np.ctypeslib.as_array cost 30 us a pass after a decode
-        # (docs/engine-overhead.md). The buffer at that address holds at least the n_rows this decode wrote
-        key = (ctypes.addressof(ptr.contents), n_rows)
-        rows = self._views.get(key)
-        if rows is None:
-            if len(self._views) > 64:
-                self._views.clear()
-            rows = self._views[key] = np.ctypeslib.as_array(ptr, shape=(n_rows, self.n_vocab))
-            rows.flags.writeable = False  # llama.cpp's buffer: readers only
+        rows = _buffer_rows(self._views, llama_cpp.llama_get_logits(self._ctx), n_rows, self.n_vocab)
         return rows if view else rows.copy()
 
     def sync(self, tokens: Sequence[int], view: bool = False) -> np.ndarray:
@@ -784,7 +773,7 @@ class _SharedContext:
     def __init__(self, owner: LlamaCppDecoder) -> None:
         self.owner = owner
         self._hidden_on = owner.options.embeddings
-        self._views: dict[tuple[int, int, int], np.ndarray] = {}  # see _rows
+        self._views: dict[tuple[int, int, int], np.ndarray] = {}  # see _buffer_rows
 
     def run(self, subs: list[Submission]) -> None:
         o = self.owner
@@ -805,34 +794,39 @@ class _SharedContext:
         if rc == 0:
             llama_cpp.llama_synchronize(o._ctx)  # as in _run_batch: the submissions' seconds include the computation
         o._batch.reset_sequences(n)
-        if rc == 0:
-            n_out = sum(sum(map(bool, s.outputs)) for s in subs)
-            logits = self._rows(llama_cpp.llama_get_logits(o._ctx), n_out, o.n_vocab)
-            states = self._rows(llama_cpp.llama_get_embeddings(o._ctx), n_out, o.n_embd) if hidden else None
-        row = 0  # llama.cpp keeps the output rows in batch order, each submission's together
         for s in subs:
             s.rc = rc
-            if rc == 0:
-                k = sum(map(bool, s.outputs))
-                s.logits = logits[row : row + k].copy()
-                if hidden and s.hidden:
-                    s.states = states[row : row + k].copy()
-                row += k
+        if rc != 0:
+            return
+        # llama.cpp keeps the output rows in batch order, each submission's together: one view of the batch, a slice
+        # copy each (a view and a stack per row took 1.9 ms a tick for 8 slots' chains of 4, against 0.3 ms so:
+        # docs/benchmarks-parallel.md, "the engine's share")
+        counts = [sum(map(bool, s.outputs)) for s in subs]
+        n_out = sum(counts)
+        logits = _buffer_rows(self._views, llama_cpp.llama_get_logits(o._ctx), n_out, o.n_vocab)
+        states = _buffer_rows(self._views, llama_cpp.llama_get_embeddings(o._ctx), n_out, o.n_embd) if hidden else None
+        row = 0
+        for s, k in zip(subs, counts):
+            s.logits = logits[row : row + k].copy()
+            if hidden and s.hidden:
+                s.states = states[row : row + k].copy()
+            row += k
 
-    def _rows(self, ptr, n_rows: int, width: int) -> np.ndarray:
-        """The batch's output rows (n_rows, width) in llama.cpp's buffer at `ptr`, as a read-only view made once per
-        address and shape: a view and a stack per row (np.ctypeslib.as_array) took 1.9 ms a tick for 8 slots' chains
-        of 4, against 0.3 ms so (docs/benchmarks-parallel.md, "the engine's share")."""
-        if not ptr:
-            raise GGUFSpecError("llama.cpp returned no outputs for this batch")
-        key = (ctypes.addressof(ptr.contents), n_rows, width)
-        rows = self._views.get(key)
-        if rows is None:
-            if len(self._views) > 64:
-                self._views.clear()
-            rows = self._views[key] = np.ctypeslib.as_array(ptr, shape=(n_rows, width))
-            rows.flags.writeable = False  # llama.cpp's buffer: readers only
-        return rows
+
+def _buffer_rows(views: dict[tuple[int, int, int], np.ndarray], ptr, n_rows: int, width: int) -> np.ndarray:
+    """The first n_rows rows (of `width` floats) of llama.cpp's output buffer at `ptr`, as a read-only view kept in
+    `views` per address and shape: np.ctypeslib.as_array cost 30 us a call (docs/engine-overhead.md). The buffer at
+    that address holds at least the rows the last decode wrote."""
+    if not ptr:
+        raise GGUFSpecError("llama.cpp returned no outputs for this batch")
+    key = (ctypes.addressof(ptr.contents), n_rows, width)
+    rows = views.get(key)
+    if rows is None:
+        if len(views) > 64:
+            views.clear()
+        rows = views[key] = np.ctypeslib.as_array(ptr, shape=(n_rows, width))
+        rows.flags.writeable = False  # llama.cpp's buffer: readers only
+    return rows
 
 
 def prefill(d: Decoder, context: list[int]) -> None:
