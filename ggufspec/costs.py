@@ -135,13 +135,20 @@ class SharedBatch(CostModel):
     batch's cost grows with its size, or wherever a longer chain costs a pass of its own, drafts shrink to what
     still pays, and never below plain continuous batching.
 
+    With `follow`, every slot in the batch is priced as drafting the same k (and keeping as many of them): the
+    draft model's choice while every slot is on steps. One slot's chain beside plain steps
+    runs as a micro-batch of its own, so alone no slot would start drafting, even where all drafting together pays
+    (on the AMX Xeon, two slots' 2-token chains cost less than their 2 plain tokens: 4 tokens, 1.3 decodes, against
+    2, 1.5); the slots, on the same costs and tick, choose alike (docs/benchmarks-parallel.md, run 5).
+
     Learning (observe) goes to the base model, with the whole batch's size and seconds (policy.adaptive leaves out
     batches that ran in several micro-batches)."""
 
-    def __init__(self, base: CostModel, lanes: Sequence[int], lane: int) -> None:  # a view of `base`: no fields
-        self.base, self.lane = base, lane
+    def __init__(self, base: CostModel, lanes: Sequence[int], lane: int, follow: bool = False) -> None:
+        self.base, self.lane, self.follow = base, lane, follow  # a view of `base`: no fields of its own
         self.lanes = list(lanes)  # a copy: step_seconds puts each priced chain in this slot's lane
         self.others = sum(lanes) - lanes[lane]
+        self.busy = sum(1 for i, n in enumerate(lanes) if n or i == lane)  # slots in the batch, this one too
         # (k, free) -> step_seconds, until the base learns: a step's plan prices each length several times, and with
         # 8 slots on `auto` that pricing took about a quarter of a slot's Python time (docs/benchmarks-parallel.md)
         self._steps: dict[tuple[int, bool], float] = {}
@@ -155,11 +162,14 @@ class SharedBatch(CostModel):
         seconds = self._steps.get((k, free))
         if seconds is None:
             self.lanes[self.lane] = k + 1
-            seconds = k * (0.0 if free else self.draft) + sum(map(self.base.batch_seconds, micro_batches(self.lanes)))
+            lanes = [k + 1 if n else 0 for n in self.lanes] if self.follow else self.lanes
+            seconds = k * (0.0 if free else self.draft) + sum(map(self.base.batch_seconds, micro_batches(lanes)))
             self._steps[k, free] = seconds
         return seconds
 
     def rate(self, k: int, tokens: float, free: bool = False) -> float:
+        if self.follow:
+            return self.busy * tokens / self.step_seconds(k, free)
         return (self.others + tokens) / self.step_seconds(k, free)
 
     def observe(self, *args, **kwargs) -> None:

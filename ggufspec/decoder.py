@@ -44,6 +44,7 @@ class Decoder(Protocol):
     # and its own sequence id there; () and 0 on a context of its own
     lanes: tuple[int, ...]
     lane: int
+    peers: int  # a slot's: the other slots generating in its context now
 
     def feed(self, tokens: Sequence[int], all_logits: bool = True, view: bool = False) -> np.ndarray:
         """Decode `tokens` after the history in one pass; logits of every position (or the last), (n, V).
@@ -318,9 +319,10 @@ class LlamaCppDecoder:
 
     @classmethod
     def slots(cls, path: str | os.PathLike, options: DecoderOptions, n: int,
-              lockstep: Lockstep) -> list[LlamaCppDecoder]:
+              lockstep: Lockstep, leads: bool = False) -> list[LlamaCppDecoder]:
         """n decoders over ONE llama.cpp context (llama-server's slots): each keeps its own history in its own KV
-        sequence, and their decodes run together, one batch per tick of `lockstep` (see lockstep.py).
+        sequence, and their decodes run together, one batch per tick of `lockstep` (see lockstep.py; `leads`: a
+        draft model's context, whose batches run first).
         options.n_ctx is the whole cache, as llama-server's -c: each slot holds n_ctx // n tokens.
 
         Several slots get a KV stream each (llama.cpp's non-unified cache), so that each slot's cells stay in the
@@ -342,7 +344,7 @@ class LlamaCppDecoder:
         whole = replace(options, n_ctx=per_slot * n + n * chunk, n_batch=n * chunk, n_seq_max=n * span,
                         n_ubatch=min(options.micro_batch, n * chunk), kv_unified=True if n == 1 else False)
         owner = cls(path, whole)
-        runner = _SharedContext(owner)
+        runner = _SharedContext(owner, leads)
         view_options = replace(owner.options, n_ctx=per_slot, n_batch=chunk, n_seq_max=span, n_ubatch=None)
         return [owner._slot(i * span, view_options, lockstep, runner) for i in range(n)]
 
@@ -363,6 +365,11 @@ class LlamaCppDecoder:
     def lane(self) -> int:
         """This decoder's sequence id in its context (a slot's: its index in `lanes`)."""
         return self._seq
+
+    @property
+    def peers(self) -> int:
+        """Other slots generating in this decoder's shared context now (0 on a context of its own)."""
+        return self._lockstep.others() if self._lockstep is not None else 0
 
     @property
     def shared(self) -> bool:
@@ -770,8 +777,8 @@ class LlamaCppDecoder:
 class _SharedContext:
     """The context the slots share: runs one tick's submissions as one batch (lockstep.Runner)."""
 
-    def __init__(self, owner: LlamaCppDecoder) -> None:
-        self.owner = owner
+    def __init__(self, owner: LlamaCppDecoder, leads: bool = False) -> None:
+        self.owner, self.leads = owner, leads
         self._hidden_on = owner.options.embeddings
         self._views: dict[tuple[int, int, int], np.ndarray] = {}  # see _buffer_rows
 

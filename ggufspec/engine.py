@@ -368,7 +368,7 @@ class SpeculativeEngine:
         auto = self._auto.get(model)
         if auto is None or auto.k_max != s.draft_max or auto.costs is not self.costs:
             auto = self._auto[model] = AutoPolicy(self.costs, s.draft_max, model)
-        auto.sizer = sizer
+        auto.sizer, auto.peers = sizer, self.target.peers
         return auto
 
     def reset(self) -> None:

@@ -41,11 +41,15 @@ class Submission:
     states: np.ndarray | None = None  # (outputs, H) with hidden
     seconds: float = 0.0  # the whole batch's decode time
     batch: int = 0  # tokens in the whole batch, every member's
+    done: bool = False  # its batch has run
     lanes: tuple[int, ...] = ()  # (max seq id + 1,) the whole batch's tokens per sequence id (first id of each member)
 
 
 class Runner(Protocol):
-    """A shared context: runs the submissions of one tick as one batch (under Lockstep.lock)."""
+    """A shared context: runs the submissions of one tick as one batch (under Lockstep.lock). A `leads` runner's
+    batches run before the others' (a draft model's: see Lockstep)."""
+
+    leads: bool
 
     def run(self, subs: list[Submission]) -> None: ...
 
@@ -65,6 +69,12 @@ class _Tick:
 class Lockstep:
     """The rendezvous of the member threads of a set of shared contexts, and the one thread that decodes for them.
 
+    Drafts first: while any member waits on a `leads` runner (the draft model's context), a tick runs only those,
+    and the others' submissions wait for the next. So every slot's verification meets the others' in one target
+    batch however many tokens each drafted, as llama-server's loop drafts for every slot and then decodes one
+    batch. Otherwise a slot drafting k tokens verifies out of step with the others, alone in a batch of its own
+    (docs/benchmarks-parallel.md, run 5).
+
     Every tick runs on that thread: with llama.cpp's OpenMP build, a decode from another thread than the one that
     decoded before ran at half speed on 2 cores (all ticks on the member that arrived last: 9-11 tok/s where the
     same decodes on one thread gave 15-17, docs/benchmarks-parallel.md)."""
@@ -78,11 +88,14 @@ class Lockstep:
         self._ticked = threading.Condition(self.lock)  # members wait here for their tick to run
         self._members = 0
         self._tick = _Tick()
-        self._generation = 0  # ticks run so far
         self._local = threading.local()
         self._runner: threading.Thread | None = None
         self.n_ticks = 0  # ticks run
         self.decode_seconds = 0.0  # every tick's batches, all contexts: the rest of a busy pool's time is the slots'
+
+    def others(self) -> int:
+        """Threads taking part now (each generating slot's), the calling one aside."""
+        return self._members - (getattr(self._local, "depth", 0) > 0)
 
     @contextmanager
     def member(self) -> Iterator[None]:
@@ -107,11 +120,10 @@ class Lockstep:
             with self.lock:
                 entry = self._tick.pending.setdefault(id(runner), (runner, []))
                 entry[1].append(sub)
-                generation = self._generation
                 self._start()
                 if self._tick.waiting >= self._members:
                     self._ready.notify()
-                while self._generation == generation:
+                while not sub.done:
                     self._ticked.wait()
         return sub
 
@@ -128,9 +140,11 @@ class Lockstep:
                 if tick.waiting == 0 or tick.waiting < self._members:
                     self._ready.wait()
                     continue
-                self._tick = _Tick()
+                leading = {k: e for k, e in tick.pending.items() if getattr(e[0], "leads", False)}
+                later = {k: e for k, e in tick.pending.items() if k not in leading} if leading else {}
+                self._tick = _Tick(later)  # drafts first: the rest wait for a tick with no drafts
                 try:
-                    for runner, subs in tick.pending.values():
+                    for runner, subs in (leading or tick.pending).values():
                         t0 = time.perf_counter()
                         try:
                             runner.run(subs)
@@ -146,7 +160,9 @@ class Lockstep:
                             s.seconds, s.batch, s.lanes = seconds, n, shape
                     self.n_ticks += 1
                 finally:
-                    self._generation += 1
+                    for _, subs in (leading or tick.pending).values():
+                        for s in subs:
+                            s.done = True
                     self._ticked.notify_all()
 
 

@@ -95,7 +95,8 @@ class EnginePool:
         else:
             target_options = SpeculativeEngine.target_options(options, draft_path) if parallel == 1 else options
             targets = LlamaCppDecoder.slots(target_path, target_options, parallel, lockstep)
-            drafts = LlamaCppDecoder.slots(draft_path, options, parallel, lockstep) if draft_path else [None] * parallel
+            drafts = (LlamaCppDecoder.slots(draft_path, options, parallel, lockstep, leads=True) if draft_path
+                      else [None] * parallel)
         engines = [SpeculativeEngine(t, d, settings, costs) for t, d in zip(targets, drafts)]
         answers = AnswerPool()  # one for every slot: an answer in one slot drafts for the next request in any
         for e in engines:

@@ -281,6 +281,42 @@ def test_a_slot_drafts_in_a_shared_batch_only_where_the_whole_batch_gains() -> N
     assert chains.best_k(0.5, 1, free=True) == 1
 
 
+# Measured on an AMX Xeon 2-core machine (AMX left out of the build), long batches too: 4 tokens cost 1.4 decodes
+XEON_LONG = CostModel([0.0856, 0.1301, 0.1721, 0.1190, 0.1584], 0.0103, [16, 32, 64], [0.35, 0.70, 1.45])
+
+
+def test_a_generation_joining_busy_slots_warms_the_draft_only_where_drafting_pays_beside_them(tiny_draft) -> None:
+    """Alone, the draft model pays on this CPU, so it prefills the prompt; beside 7 slots on plain steps a chain
+    runs as a micro-batch of its own and does not pay, so the prefill (a tick every slot waits for) is skipped."""
+    alone, beside = AutoPolicy(XEON_LONG, 4, model=True), AutoPolicy(XEON_LONG, 4, model=True)
+    beside.peers = 7
+    with open_decoder(tiny_draft) as d:
+        proposers = {"lookup": LookupProposer(d.n_vocab),
+                     "draft": DraftModelProposer(d, d.n_vocab, SamplingParams(), np.random.default_rng(0))}
+        assert alone.begin([1, 2, 3], proposers) == {"draft"}
+        assert beside.begin([1, 2, 3], proposers) == set()
+    assert alone.lanes == () and beside.lanes == (1,) * 8
+    assert beside.model_length.costs.others == 7  # its first steps are priced in that batch too
+
+
+def test_the_draft_model_prices_every_slot_drafting_alike_while_all_are_on_steps() -> None:
+    """On the AMX Xeon two slots' 2-token chains (4 tokens, one pass) cost less than their two plain tokens: one
+    slot alone would not start (its chain a pass of its own beside the other's token), both together pay. With
+    four slots on plain steps a batch of 8 costs too much for drafting to pay, together or not."""
+    two = SharedBatch(XEON_LONG, [1, 1], lane=1, follow=True)
+    assert two.step_seconds(1) == pytest.approx(XEON_LONG.batch_seconds(4) + XEON_LONG.draft)
+    assert two.best_k(0.7, 4) == 1
+    assert SharedBatch(XEON_LONG, [1, 1], lane=1).best_k(0.7, 4) == 0
+    assert SharedBatch(XEON_LONG, [1, 1, 1, 1], lane=0, follow=True).best_k(0.7, 4) == 0
+    auto = AutoPolicy(XEON_LONG, 4, model=True)
+    auto.lanes, auto.lane = (2, 2), 0
+    auto.price_at(10)
+    assert auto.model_length.costs.follow and not auto.lookup_length.costs.follow  # lookup's guesses are its own
+    auto.lanes = (2, 40)  # the other slot prefills a prompt: its chunk is no step's chain
+    auto.price_at(10)
+    assert not auto.model_length.costs.follow
+
+
 def test_no_probes_where_even_good_drafts_would_gain_little() -> None:
     # drafts kept 90% of the time would earn 6% here: a failed probe costs far more than that
     assert AVX2.expected_rate(3, 0.9) / AVX2.expected_rate(0, 0) < 1.1

@@ -171,6 +171,72 @@ def test_each_slot_sees_its_shared_batch_per_sequence(tiny_target) -> None:
         d.close()
 
 
+def test_a_generation_begins_priced_beside_the_slots_generating_then(tiny_target, tiny_draft) -> None:
+    """`auto` decides whether the draft model prefills the prompt before the prefill: beside another slot generating
+    it counts that slot (test_adaptive: beside busy slots on a CPU the draft's prefill is not worth it)."""
+    settings = GenerationSettings(max_tokens=6, method="auto")
+    with EnginePool.load(tiny_target, tiny_draft, DecoderOptions(n_ctx=1024), costs=COSTS, parallel=2) as pool:
+        first, go = threading.Event(), threading.Event()
+        a, b = pool.slots
+        assert a.engine.target.peers == b.engine.target.peers == 0
+
+        def run_a() -> None:
+            for _ in pool.run(a, pool.engine.encode(PROMPTS[0]), settings):
+                first.set()
+                go.wait(60)  # a stays a member, mid-generation, while b begins
+
+        def run_b() -> None:
+            list(pool.run(b, pool.engine.encode(PROMPTS[1]), settings))
+
+        ta = threading.Thread(target=run_a)
+        ta.start()
+        assert first.wait(60)
+        assert b.engine.target.peers == 1 and a.engine.target.peers == 1  # from this thread, which takes no part
+        tb = threading.Thread(target=run_b)
+        tb.start()
+        time.sleep(0.5)  # b's prefill waits for a's next step, after b began
+        go.set()
+        for t in (ta, tb):
+            t.join(60)
+        assert not ta.is_alive() and not tb.is_alive()
+        assert a.engine._auto[True].peers == 0  # began alone
+        assert b.engine._auto[True].peers == 1
+        assert a.engine.target.peers == 0
+
+
+def test_slots_verify_together_after_drafting(tiny_target, tiny_draft) -> None:
+    """Drafts first: a slot's target decode waits while another slot drafts, so both verify in one target batch."""
+    lockstep = Lockstep()
+    ta, tb = LlamaCppDecoder.slots(tiny_target, DecoderOptions(n_ctx=512), 2, lockstep)
+    da, db = LlamaCppDecoder.slots(tiny_draft, DecoderOptions(n_ctx=512), 2, lockstep, leads=True)
+    for d in (ta, tb, da):
+        d.sync(list(range(10, 18)))
+    ready = threading.Barrier(2)
+
+    def drafting() -> None:
+        with lockstep.member():
+            ready.wait()
+            da.feed([1])  # a draft token: this tick runs the draft context alone
+            da.feed([2])
+            ta.feed([1, 2, 3])  # the chain, verified
+
+    def plain() -> None:
+        with lockstep.member():
+            ready.wait()
+            tb.feed([4])  # held until the other slot's chain comes
+
+    threads = [threading.Thread(target=drafting), threading.Thread(target=plain)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)
+    assert ta.lanes == tb.lanes == (3, 1)
+    assert da.lanes == (1,)
+    for d in (ta, tb, da, db):
+        d.close()
+
+
 def test_slots_refuse_what_a_shared_context_cannot_do(tiny_target) -> None:
     lockstep = Lockstep()
     with pytest.raises(ValueError, match="n_seq_max must be 1"):

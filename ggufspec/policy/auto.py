@@ -44,6 +44,7 @@ class AutoPolicy:
         # per batch while other slots share it
         self.lanes: tuple[int, ...] = ()
         self.lane = 0
+        self.peers = 0  # other slots generating when this generation begins (set by the engine before begin)
 
     @property
     def k_cap(self) -> int:
@@ -60,13 +61,24 @@ class AutoPolicy:
         other slots' tokens as the last one had."""
         costs = self.context_costs.at(n_ctx)
         if self.lanes and sum(self.lanes) > self.lanes[self.lane]:  # other slots' tokens rode along
-            costs = SharedBatch(costs, self.lanes, self.lane)
+            shared = SharedBatch(costs, self.lanes, self.lane)
+            # the draft model's choice prices every slot drafting alike (SharedBatch) while each is on steps the
+            # model could draft (no prompt's chunk or long copy in the batch): pricing each chain alone beside the
+            # others' last ones, two slots swapped turns, each evening the other's last batch into a new uneven one
+            # (docs/benchmarks-parallel.md, run 5)
+            steps = max(self.lanes) <= self.k_max + 1
+            follow = SharedBatch(costs, self.lanes, self.lane, follow=True) if steps else shared
+            for length in self._records:
+                length.costs = follow if length is self.model_length else shared
+            return
         for length in self._records:
             length.costs = costs
 
     def begin(self, prompt: list[int], proposers: dict[str, Proposer]) -> set[str]:
         """Every record's acceptance halfway back to its prior; the draft model decodes the prompt only where it is
-        expected to draft (often never on CPUs)."""
+        expected to draft (often never on CPUs), priced beside the `peers` generating now, each taken to add one
+        token a batch: a slot joining a busy pool on a CPU rarely drafts, and the draft's prefill (a tick that
+        every slot waits for) would be lost (docs/benchmarks-parallel.md, run 5)."""
         self.lookup, self.model = proposers["lookup"], proposers.get("draft")
         if self.sizer is not None:
             check_tree(self.sizer, proposers)
@@ -74,7 +86,7 @@ class AutoPolicy:
             length.restart()
         self._unverified.clear()
         self.source = self._proposed = None
-        self.lanes, self.lane = (), 0
+        self.lanes, self.lane = ((1,) * (1 + self.peers), 0) if self.peers else ((), 0)
         return {"draft"} if self.model is not None and self.uses_model(len(prompt) + 1) else set()
 
     def uses_model(self, n_ctx: int | None = None) -> bool:
