@@ -136,10 +136,10 @@ class SharedBatch(CostModel):
     still pays, and never below plain continuous batching.
 
     With `follow`, every slot in the batch is priced as drafting the same k (and keeping as many of them): the
-    draft model's choice while every slot is on steps. One slot's chain beside plain steps
-    runs as a micro-batch of its own, so alone no slot would start drafting, even where all drafting together pays
-    (on the AMX Xeon, two slots' 2-token chains cost less than their 2 plain tokens: 4 tokens, 1.3 decodes, against
-    2, 1.5); the slots, on the same costs and tick, choose alike (docs/benchmarks-parallel.md, run 5).
+    draft model's choice while every slot is on steps. One slot's chain beside plain steps runs as a micro-batch of
+    its own, so alone no slot would start drafting, even where all drafting together pays (on the AMX Xeon, two
+    slots' 2-token chains cost less than their 2 plain tokens: 4 tokens, 1.3 decodes, against 2, 1.5); the slots,
+    on the same costs and tick, choose alike (docs/methods.md).
 
     Learning (observe) goes to the base model, with the whole batch's size and seconds (policy.adaptive leaves out
     batches that ran in several micro-batches)."""
