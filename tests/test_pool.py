@@ -194,7 +194,10 @@ def test_a_generation_begins_priced_beside_the_slots_generating_then(tiny_target
         assert b.engine.target.peers == 1 and a.engine.target.peers == 1  # from this thread, which takes no part
         tb = threading.Thread(target=run_b)
         tb.start()
-        time.sleep(0.5)  # b's prefill waits for a's next step, after b began
+        began = time.monotonic() + 60  # b's policy is set up before its prefill, which waits for a's next step
+        while b.engine._auto.get(True) is None or b.engine._auto[True].peers != 1:
+            assert time.monotonic() < began, "b did not begin beside a"
+            time.sleep(0.01)
         go.set()
         for t in (ta, tb):
             t.join(60)
