@@ -140,11 +140,11 @@ class Lockstep:
                 if tick.waiting == 0 or tick.waiting < self._members:
                     self._ready.wait()
                     continue
-                leading = {k: e for k, e in tick.pending.items() if getattr(e[0], "leads", False)}
-                later = {k: e for k, e in tick.pending.items() if k not in leading} if leading else {}
-                self._tick = _Tick(later)  # drafts first: the rest wait for a tick with no drafts
+                leading = {k: e for k, e in tick.pending.items() if e[0].leads}
+                running = leading or tick.pending  # drafts first: the rest wait for a tick with no drafts
+                self._tick = _Tick({k: e for k, e in tick.pending.items() if k not in running})
                 try:
-                    for runner, subs in (leading or tick.pending).values():
+                    for runner, subs in running.values():
                         t0 = time.perf_counter()
                         try:
                             runner.run(subs)
@@ -160,7 +160,7 @@ class Lockstep:
                             s.seconds, s.batch, s.lanes = seconds, n, shape
                     self.n_ticks += 1
                 finally:
-                    for _, subs in (leading or tick.pending).values():
+                    for _, subs in running.values():
                         for s in subs:
                             s.done = True
                     self._ticked.notify_all()
