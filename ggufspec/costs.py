@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 from .decoder import Decoder, LlamaCppDecoder
-from .lockstep import micro_batches
+from .lockstep import even_lanes, micro_batches
 # the cache files and the machine key: machine_cache, shared with kv_cache (costs_path stays importable from here)
 from .machine_cache import costs_path, machine, read_entry, write_table
 from .machine_cache import json_type as _json_type
@@ -52,8 +52,10 @@ class CostModel:
 
     def batch_seconds(self, n: int) -> float:
         """Seconds for a batch of n tokens: measured, interpolated between measured sizes, or scaled from the largest."""
-        if n <= len(self.verify) or not self.long_sizes:
-            return self.verify[min(n, len(self.verify)) - 1]
+        if n <= len(self.verify):
+            return self.verify[n - 1]
+        if not self.long_sizes:
+            return self.verify[-1] * n / len(self.verify)
         sizes, secs = [len(self.verify), *self.long_sizes], [self.verify[-1], *self.long_verify]
         if n >= sizes[-1]:
             return secs[-1] * n / sizes[-1]
@@ -163,7 +165,8 @@ class SharedBatch(CostModel):
         if seconds is None:
             self.lanes[self.lane] = k + 1
             lanes = [k + 1 if n else 0 for n in self.lanes] if self.follow else self.lanes
-            seconds = k * (0.0 if free else self.draft) + sum(map(self.base.batch_seconds, micro_batches(lanes)))
+            price = self.base.batch_seconds
+            seconds = k * (0.0 if free else self.draft) + sum(map(price, micro_batches(even_lanes(lanes, price))))
             self._steps[k, free] = seconds
         return seconds
 
@@ -237,31 +240,32 @@ def measure(target: LlamaCppDecoder, draft: Decoder | None, k_max: int, repeats:
 MAX_SPREAD = 1.5  # a measurement noisier than this is used for this run but not cached
 
 
-def cached_measure(target: LlamaCppDecoder, draft: LlamaCppDecoder | None, k_max: int) -> CostModel:
+def cached_measure(target: LlamaCppDecoder, draft: LlamaCppDecoder | None, k_max: int,
+                   long_sizes: Sequence[int] = LONG_BATCHES) -> CostModel:
     """measure(), remembered per model files, thread settings, CPU and llama.cpp build (machine_cache.machine: a
     home shared by different machines must not share their costs) in machine_cache.costs_path().
 
     A cached entry is used only when check_costs passes it: a bad one is reported on stderr, measured again and
     written over, so what the cache holds never makes a run fail."""
     if target.options.remote or (draft is not None and draft.options.remote):
-        return measure(target, draft, k_max)[0]  # a network's costs are not this machine's to remember
+        return measure(target, draft, k_max, long_sizes=long_sizes)[0]  # a network's costs: not this machine's
     path = costs_path()
-    key = json.dumps([_identity(target), _identity(draft) if draft else None, k_max, LONG_BATCHES, machine()])
-    entry = read_entry(path, key, lambda value: check_costs(value, k_max))
+    key = json.dumps([_identity(target), _identity(draft) if draft else None, k_max, list(long_sizes), machine()])
+    entry = read_entry(path, key, lambda value: check_costs(value, k_max, long_sizes))
     if entry is not None:
         return CostModel(**entry)
-    model, spread = measure(target, draft, k_max)
+    model, spread = measure(target, draft, k_max, long_sizes=long_sizes)
     if spread > MAX_SPREAD:
         return model
     write_table(path, {key: asdict(model)})
     return model
 
 
-def check_costs(entry: object, k_max: int) -> str | None:
+def check_costs(entry: object, k_max: int, long_sizes: Sequence[int] = LONG_BATCHES) -> str | None:
     """What is wrong with a cached CostModel (as asdict wrote it) for draft lengths up to k_max; None if nothing is.
 
     verify: k_max + 1 seconds; draft: seconds or 0 (no draft model); long_sizes: what measure() takes of
-    LONG_BATCHES (the sizes past verify's, up to those that fit), with one long_verify time each (both may be
+    `long_sizes` (the sizes past verify's, up to those that fit), with one long_verify time each (both may be
     missing). Seconds are finite floats above 0: prices divide by them and interpolate between the sizes."""
     if not isinstance(entry, dict):
         return f"expected an object, found {_json_type(entry)}"
@@ -270,7 +274,7 @@ def check_costs(entry: object, k_max: int) -> str | None:
         return f"unknown fields: {', '.join(unknown)}"
     verify, draft = entry.get("verify"), entry.get("draft")
     sizes, secs = entry.get("long_sizes", []), entry.get("long_verify", [])
-    longs = [n for n in LONG_BATCHES if n > k_max + 1]
+    longs = [n for n in long_sizes if n > k_max + 1]
     if not (isinstance(verify, list) and len(verify) == k_max + 1 and all(map(_seconds, verify))):
         return f"verify: expected {k_max + 1} positive numbers"
     if not (type(draft) is float and math.isfinite(draft) and draft >= 0):

@@ -14,7 +14,7 @@ import time
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterable, Protocol, Sequence
+from typing import Callable, Iterable, Protocol, Sequence
 
 import llama_cpp
 import numpy as np
@@ -24,7 +24,7 @@ from . import kv_cache, llama_log, rpc
 from .errors import ContextLengthError, GGUFSpecError
 from .gguf_check import read_header
 from .llama_batch import Batch
-from .lockstep import Lockstep, Submission
+from .lockstep import Lockstep, Submission, even_lanes
 from .memory import check_memory
 from .model import LlamaModel
 
@@ -781,18 +781,24 @@ class _SharedContext:
         self.owner, self.leads = owner, leads
         self._hidden_on = owner.options.embeddings
         self._views: dict[tuple[int, int, int], np.ndarray] = {}  # see _buffer_rows
+        # a batch's price by its tokens (EnginePool sets the measured one): uneven chains are padded to one length
+        # where that costs less (lockstep.even_lanes); None: batches run as submitted
+        self.batch_seconds: Callable[[int], float] | None = None
 
-    def run(self, subs: list[Submission]) -> None:
+    def run(self, subs: list[Submission]) -> tuple[int, ...] | None:
         o = self.owner
         # by sequence: llama.cpp splits a batch over several streams into micro-batches of consecutive sequence ids
         # (and as many tokens of each), so slots in order share theirs
         subs = sorted(subs, key=lambda s: s.seq_ids[0][0])
-        tokens = [t for s in subs for t in s.tokens]
+        pads, ran = self._pads(subs)
+        tokens = [t for s, pad in zip(subs, pads) for t in (*s.tokens, *[s.tokens[-1]] * pad)]
         n = len(tokens)
-        if n > o._batch.capacity:  # cannot happen: each slot submits at most its n_batch
+        if n > o._batch.capacity:  # cannot happen: each slot submits at most its n_batch, and pads fit beside it
             raise GGUFSpecError(f"a shared batch of {n} tokens exceeds its capacity {o._batch.capacity}")
-        o._batch.fill_entries(tokens, [p for s in subs for p in s.positions], [ids for s in subs for ids in s.seq_ids],
-                              [out for s in subs for out in s.outputs])
+        o._batch.fill_entries(
+            tokens, [p for s, pad in zip(subs, pads) for p in (*s.positions, *range(s.positions[-1] + 1, s.positions[-1] + 1 + pad))],
+            [ids for s, pad in zip(subs, pads) for ids in (*s.seq_ids, *[s.seq_ids[-1]] * pad)],
+            [out for s, pad in zip(subs, pads) for out in (*s.outputs, *[False] * pad)])
         hidden = o.options.embeddings and any(s.hidden for s in subs)
         if self._hidden_on != hidden:
             self._hidden_on = hidden
@@ -801,10 +807,12 @@ class _SharedContext:
         if rc == 0:
             llama_cpp.llama_synchronize(o._ctx)  # as in _run_batch: the submissions' seconds include the computation
         o._batch.reset_sequences(n)
-        for s in subs:
+        for s, pad in zip(subs, pads):
             s.rc = rc
+            if pad:  # the pads' cells go: the sequence is as if its own tokens had run alone
+                llama_cpp.llama_memory_seq_rm(o._mem, s.seq_ids[-1][0], s.positions[-1] + 1, -1)
         if rc != 0:
-            return
+            return ran
         # llama.cpp keeps the output rows in batch order, each submission's together: one view of the batch, a slice
         # copy each (a view and a stack per row took 1.9 ms a tick for 8 slots' chains of 4, against 0.3 ms so:
         # docs/benchmarks-parallel.md, "the engine's share")
@@ -818,6 +826,20 @@ class _SharedContext:
             if hidden and s.hidden:
                 s.states = states[row : row + k].copy()
             row += k
+        return ran
+
+    def _pads(self, subs: list[Submission]) -> tuple[list[int], tuple[int, ...] | None]:
+        """Pad tokens after each submission's (sorted by sequence), and the lanes that then run (None: no pads)."""
+        seqs = {s.seq_ids[0][0] for s in subs}
+        if self.batch_seconds is None or len(seqs) < 2 or len(seqs) < len(subs) or any(len(s.seq_ids[0]) != 1 for s in subs):
+            return [0] * len(subs), None
+        lanes = [0] * (1 + subs[-1].seq_ids[0][0])
+        for s in subs:
+            lanes[s.seq_ids[0][0]] += len(s.tokens)
+        even = even_lanes(lanes, self.batch_seconds)
+        if even == tuple(lanes):
+            return [0] * len(subs), None
+        return [even[s.seq_ids[0][0]] - lanes[s.seq_ids[0][0]] for s in subs], even
 
 
 def _buffer_rows(views: dict[tuple[int, int, int], np.ndarray], ptr, n_rows: int, width: int) -> np.ndarray:

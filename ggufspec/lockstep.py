@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -51,7 +51,8 @@ class Runner(Protocol):
 
     leads: bool
 
-    def run(self, subs: list[Submission]) -> None: ...
+    def run(self, subs: list[Submission]) -> Sequence[int] | None:
+        """Run `subs`; the tokens each sequence ran (by sequence id) where the runner padded them, else None."""
 
 
 @dataclass
@@ -87,6 +88,7 @@ class Lockstep:
         self._ready = threading.Condition(self.lock)  # the decode thread waits here for a complete tick
         self._ticked = threading.Condition(self.lock)  # members wait here for their tick to run
         self._members = 0
+        self.held = 0  # slots held by a generation (EnginePool.slot), members or about to be
         self._tick = _Tick()
         self._local = threading.local()
         self._runner: threading.Thread | None = None
@@ -94,8 +96,9 @@ class Lockstep:
         self.decode_seconds = 0.0  # every tick's batches, all contexts: the rest of a busy pool's time is the slots'
 
     def others(self) -> int:
-        """Threads taking part now (each generating slot's), the calling one aside."""
-        return self._members - (getattr(self._local, "depth", 0) > 0)
+        """Threads taking part now (each generating slot's), the calling one aside; or, where more, the other slots
+        held (EnginePool.slot): requests that arrive together begin before the others take part."""
+        return max(self._members - (getattr(self._local, "depth", 0) > 0), self.held - 1)
 
     @contextmanager
     def member(self) -> Iterator[None]:
@@ -146,8 +149,9 @@ class Lockstep:
                 try:
                     for runner, subs in running.values():
                         t0 = time.perf_counter()
+                        ran = None
                         try:
-                            runner.run(subs)
+                            ran = runner.run(subs)
                         except Exception:  # the submissions keep rc -1: each member raises its decode's error
                             pass
                         seconds = time.perf_counter() - t0
@@ -155,7 +159,9 @@ class Lockstep:
                         lanes = [0] * (1 + max(s.seq_ids[0][0] for s in subs))
                         for s in subs:
                             lanes[s.seq_ids[0][0]] += len(s.tokens)
-                        shape, n = tuple(lanes), sum(lanes)  # the whole batch: per sequence, and its tokens
+                        # the whole batch as it ran: per sequence (pads included), and its tokens
+                        shape = tuple(ran) if ran is not None else tuple(lanes)
+                        n = sum(shape)
                         for s in subs:
                             s.seconds, s.batch, s.lanes = seconds, n, shape
                     self.n_ticks += 1
@@ -173,6 +179,22 @@ def micro_batches(lanes: Sequence[int]) -> list[int]:
     chains of unequal lengths take several passes: 1 + 1 + 4 tokens of sequences 0, 1, 2 run as 3 tokens, then 3.
     (llama.cpp also caps each at n_ubatch tokens: prefill chunks; verification chains stay far below it.)"""
     return list(_micro_batches(tuple(lanes)))
+
+
+def even_lanes(lanes: Sequence[int], seconds: Callable[[int], float]) -> tuple[int, ...]:
+    """`lanes` with the shorter ones padded up to a common length (idle sequences, 0, stay idle), where that costs
+    less by `seconds` (a batch's price by its tokens) than the micro-batches of the lanes as they are; else as they
+    are. Eight slots' 2-token chains with two plain steps among them ran in 4 micro-batches (7 decodes on the AMX
+    Xeon), padded in one of 16 tokens (3.9). The pads' outputs are not read and their cells are removed after the
+    batch (decoder._SharedContext), so no sequence's tokens change: each sequence's rows attend only to its own
+    stream, its earlier tokens."""
+    best, cheapest = tuple(lanes), sum(map(seconds, micro_batches(lanes)))
+    for m in sorted({n for n in lanes if n}):
+        padded = tuple(max(n, m) if n else 0 for n in lanes)
+        price = sum(map(seconds, micro_batches(padded)))
+        if price < cheapest:
+            best, cheapest = padded, price
+    return best
 
 
 @lru_cache(maxsize=4096)  # `auto` prices every draft length against the same lanes each step

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
-from .costs import CostModel, cached_measure
+from .costs import LONG_BATCHES, CostModel, cached_measure
 from .decoder import DecoderOptions, LlamaCppDecoder, common_prefix
 from .engine import GenerationResponse, GenerationSettings, Prompt, SpeculativeEngine
 from .errors import GGUFSpecError
@@ -103,9 +103,16 @@ class EnginePool:
             e.load_heads(medusa_path, medusa_vocab)
             e.answers = answers
         if costs is None:  # measured by one slot alone, now: later, the other slots' batches would ride along
-            costs = cached_measure(targets[0], drafts[0], settings.draft_max)
+            # also the batches of every slot's token and of two each (a plain step and one draft each): interpolated
+            # between 5 and 16 tokens, a batch of 8 was priced 10% over its cost on the AMX Xeon, and what the
+            # slots' 8-token batches taught bent the price of 16 to 1.6 times its own (docs/benchmarks-parallel.md,
+            # run 8)
+            sizes = sorted({*LONG_BATCHES, parallel, 2 * parallel})
+            costs = cached_measure(targets[0], drafts[0], settings.draft_max, sizes)
             for e in engines:
                 e.costs = costs
+        if parallel > 1:  # the target's uneven chains are padded to one length where that costs less
+            targets[0]._runner.batch_seconds = costs.batch_seconds
         return cls([Slot(i, e) for i, e in enumerate(engines)], lockstep)
 
     @property
@@ -134,11 +141,13 @@ class EnginePool:
             best = max(free, key=lambda s: shared[s.id])
             slot = best if tokens and 2 * shared[best.id] >= len(tokens) else free[0]
             slot.busy = True
+            self.lockstep.held += 1
         try:
             yield slot
         finally:
             with self._free:
                 slot.busy = False
+                self.lockstep.held -= 1
                 self._free.notify()
 
     def run(self, slot: Slot, tokens: list[int], settings: GenerationSettings | None = None,

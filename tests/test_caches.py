@@ -18,7 +18,7 @@ import pytest
 
 import ggufspec.costs as costs_module
 from ggufspec import kv_cache, machine_cache
-from ggufspec.costs import check_costs, measure
+from ggufspec.costs import LONG_BATCHES, check_costs, measure
 
 from conftest import open_decoder
 
@@ -69,9 +69,9 @@ def measured(tmp_path, monkeypatch) -> list[int]:
     that it is cached however busy this machine is)."""
     calls: list[int] = []
 
-    def quiet(target, draft, k_max):
+    def quiet(target, draft, k_max, long_sizes=LONG_BATCHES):
         calls.append(k_max)
-        return measure(target, draft, k_max)[0], 1.0
+        return measure(target, draft, k_max, long_sizes=long_sizes)[0], 1.0
 
     monkeypatch.setenv("GGUFSPEC_CACHE", str(tmp_path))
     monkeypatch.setattr(costs_module, "measure", quiet)
@@ -170,8 +170,8 @@ def test_two_measurements_at_once_keep_both_entries(tiny_target, tmp_path, monke
     """Both threads read the (empty) table before either writes: each write must merge, not replace."""
     both_measured = threading.Barrier(2)
 
-    def measure_then_wait(target, draft, k_max):
-        model = measure(target, draft, k_max)[0]
+    def measure_then_wait(target, draft, k_max, long_sizes=LONG_BATCHES):
+        model = measure(target, draft, k_max, long_sizes=long_sizes)[0]
         both_measured.wait(timeout=300)
         return model, 1.0
 

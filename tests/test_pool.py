@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
+import llama_cpp
 import numpy as np
 import pytest
 
@@ -202,6 +203,12 @@ def test_a_generation_begins_priced_beside_the_slots_generating_then(tiny_target
         for t in (ta, tb):
             t.join(60)
         assert not ta.is_alive() and not tb.is_alive()
+        # requests that arrive together: each counts the slots the others hold, before they take part
+        with pool.slot():
+            assert a.engine.target.peers == 0
+            with pool.slot():
+                assert a.engine.target.peers == b.engine.target.peers == 1
+        assert a.engine.target.peers == 0
         assert a.engine._auto[True].peers == 0  # began alone
         assert b.engine._auto[True].peers == 1
         assert a.engine.target.peers == 0
@@ -238,6 +245,47 @@ def test_slots_verify_together_after_drafting(tiny_target, tiny_draft) -> None:
     assert da.lanes == (1,)
     for d in (ta, tb, da, db):
         d.close()
+
+
+def _pads_beside_a_chain(tiny_target, price) -> tuple[tuple[int, ...], int, np.ndarray]:
+    """Slot a verifies a 3-token chain while slot b decodes one token, then b decodes one more alone: the batch's
+    lanes, b's last cached position, and b's last logits."""
+    lockstep = Lockstep()
+    ta, tb = LlamaCppDecoder.slots(tiny_target, DecoderOptions(n_ctx=512), 2, lockstep)
+    ta._runner.batch_seconds = price
+    for d in (ta, tb):
+        d.sync(list(range(10, 18)))
+    ready, out = threading.Barrier(2), {}
+
+    def chain() -> None:
+        with lockstep.member():
+            ready.wait()
+            ta.feed([1, 2, 3])
+
+    def plain() -> None:
+        with lockstep.member():
+            ready.wait()
+            tb.feed([4])
+            out["lanes"] = tb.lanes
+            out["logits"] = tb.feed([5])
+
+    threads = [threading.Thread(target=chain), threading.Thread(target=plain)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)
+    return out["lanes"], llama_cpp.llama_memory_seq_pos_max(tb._mem, tb.lane), out["logits"]
+
+
+def test_a_shorter_chain_is_padded_into_one_micro_batch_and_its_pads_leave_no_trace(tiny_target) -> None:
+    """Where a pass costs the same whatever its size, slot b's one token is padded to a's 3 (one micro-batch, not
+    two); the pads' cells are removed, so b's next token sits where it would and gets the same logits."""
+    padded = _pads_beside_a_chain(tiny_target, lambda n: 1.0)
+    plain = _pads_beside_a_chain(tiny_target, None)
+    assert padded[0] == (3, 3) and plain[0] == (3, 1)
+    assert padded[1] == plain[1] == 9  # 8 tokens, 4, 5: no pad left behind
+    np.testing.assert_allclose(padded[2], plain[2], rtol=0, atol=1e-4)
 
 
 def test_slots_refuse_what_a_shared_context_cannot_do(tiny_target) -> None:

@@ -57,22 +57,32 @@ class AutoPolicy:
         return self.context_costs.base
 
     def price_at(self, n_ctx: int) -> None:
-        """Price the next steps at the costs learned for a context of n_ctx tokens, in a batch shared with as many
-        other slots' tokens as the last one had."""
+        """Price the next steps at the costs learned for a context of n_ctx tokens, in a batch shared with the other
+        slots of the last one."""
         costs = self.context_costs.at(n_ctx)
-        if self.lanes and sum(self.lanes) > self.lanes[self.lane]:  # other slots' tokens rode along
-            shared = SharedBatch(costs, self.lanes, self.lane)
-            # the draft model's choice prices every slot drafting alike (SharedBatch) while each is on steps the
-            # model could draft (no prompt's chunk or long copy in the batch): pricing each chain alone beside the
-            # others' last ones, two slots swapped turns, each evening the other's last batch into a new uneven one
-            # (docs/benchmarks-parallel.md, run 5)
-            steps = max(self.lanes) <= self.k_max + 1
-            follow = SharedBatch(costs, self.lanes, self.lane, follow=True) if steps else shared
+        if not (self.lanes and sum(self.lanes) > self.lanes[self.lane]):  # a batch of its own
             for length in self._records:
-                length.costs = follow if length is self.model_length else shared
+                length.costs = costs
             return
+        # the draft model's choice prices every slot drafting alike (SharedBatch) while each is on steps the
+        # model could draft (no prompt's chunk or long copy in the batch): pricing each chain alone beside the
+        # others' last ones, two slots swapped turns, each evening the other's last batch into a new uneven one
+        # (docs/benchmarks-parallel.md, run 5)
+        steps = max(self.lanes) <= self.k_max + 1
+        k = 0
+        if self.model_length is not None and steps:
+            self.model_length.costs = SharedBatch(costs, self.lanes, self.lane, follow=True)
+            k = self.model_length.planned()
+        # Lookup's guesses are priced beside the others' steps as the draft model's shared choice makes them (k + 1
+        # tokens each, or 1), not as their last chains: those were lookup's guesses too, which rarely continue in
+        # step, and a chain priced as evening them out ran, beside plain steps, as a micro-batch of its own; at 8
+        # slots that drafting cost a fifth more target time than plain batching (docs/benchmarks-parallel.md, run 8).
+        # A prompt's chunk stays (the next one follows it).
+        lanes = [n if i == self.lane or n > self.k_max + 1 else (k + 1 if n else 0) for i, n in enumerate(self.lanes)]
+        shared = SharedBatch(costs, lanes, self.lane)
         for length in self._records:
-            length.costs = costs
+            if length is not self.model_length or not steps:
+                length.costs = shared
 
     def begin(self, prompt: list[int], proposers: dict[str, Proposer]) -> set[str]:
         """Every record's acceptance halfway back to its prior; the draft model decodes the prompt only where it is
