@@ -166,7 +166,8 @@ class SharedBatch(CostModel):
             self.lanes[self.lane] = k + 1
             lanes = [k + 1 if n else 0 for n in self.lanes] if self.follow else self.lanes
             price = self.base.batch_seconds
-            seconds = k * (0.0 if free else self.draft) + sum(map(price, micro_batches(even_lanes(lanes, price))))
+            longest = len(self.base.verify)  # a step's chain: as the pool pads (draft_max + 1)
+            seconds = k * (0.0 if free else self.draft) + sum(map(price, micro_batches(even_lanes(lanes, price, longest))))
             self._steps[k, free] = seconds
         return seconds
 

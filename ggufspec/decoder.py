@@ -781,9 +781,10 @@ class _SharedContext:
         self.owner, self.leads = owner, leads
         self._hidden_on = owner.options.embeddings
         self._views: dict[tuple[int, int, int], np.ndarray] = {}  # see _buffer_rows
-        # a batch's price by its tokens (EnginePool sets the measured one): uneven chains are padded to one length
-        # where that costs less (lockstep.even_lanes); None: batches run as submitted
+        # a batch's price by its tokens (EnginePool sets the measured one): uneven chains of up to pad_max tokens
+        # are padded to one length where that costs less (lockstep.even_lanes); None: batches run as submitted
         self.batch_seconds: Callable[[int], float] | None = None
+        self.pad_max = 0
 
     def run(self, subs: list[Submission]) -> tuple[int, ...] | None:
         o = self.owner
@@ -836,7 +837,7 @@ class _SharedContext:
         lanes = [0] * (1 + subs[-1].seq_ids[0][0])
         for s in subs:
             lanes[s.seq_ids[0][0]] += len(s.tokens)
-        even = even_lanes(lanes, self.batch_seconds)
+        even = even_lanes(lanes, self.batch_seconds, self.pad_max)
         if even == tuple(lanes):
             return [0] * len(subs), None
         return [even[s.seq_ids[0][0]] - lanes[s.seq_ids[0][0]] for s in subs], even

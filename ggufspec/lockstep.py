@@ -181,15 +181,16 @@ def micro_batches(lanes: Sequence[int]) -> list[int]:
     return list(_micro_batches(tuple(lanes)))
 
 
-def even_lanes(lanes: Sequence[int], seconds: Callable[[int], float]) -> tuple[int, ...]:
-    """`lanes` with the shorter ones padded up to a common length (idle sequences, 0, stay idle), where that costs
-    less by `seconds` (a batch's price by its tokens) than the micro-batches of the lanes as they are; else as they
-    are. Eight slots' 2-token chains with two plain steps among them ran in 4 micro-batches (7 decodes on the AMX
-    Xeon), padded in one of 16 tokens (3.9). The pads' outputs are not read and their cells are removed after the
-    batch (decoder._SharedContext), so no sequence's tokens change: each sequence's rows attend only to its own
-    stream, its earlier tokens."""
+def even_lanes(lanes: Sequence[int], seconds: Callable[[int], float], longest: int) -> tuple[int, ...]:
+    """`lanes` with the shorter ones padded up to a common length of at most `longest` (a step's chain; idle
+    sequences, 0, stay idle), where that costs less by `seconds` (a batch's price by its tokens) than the
+    micro-batches of the lanes as they are; else as they are. Eight slots' 2-token chains with two plain steps among
+    them ran in 4 micro-batches (7 decodes on the AMX Xeon), padded in one of 16 tokens (3.9). Prompt chunks are
+    not padded: llama.cpp also cuts those at n_ubatch, which micro_batches does not price. The pads' outputs are
+    not read and their cells are removed after the batch (decoder._SharedContext), so no sequence's tokens change:
+    each sequence's rows attend only to its own stream, its earlier tokens."""
     best, cheapest = tuple(lanes), sum(map(seconds, micro_batches(lanes)))
-    for m in sorted({n for n in lanes if n}):
+    for m in sorted({n for n in lanes if 0 < n <= longest}):
         padded = tuple(max(n, m) if n else 0 for n in lanes)
         price = sum(map(seconds, micro_batches(padded)))
         if price < cheapest:

@@ -113,6 +113,7 @@ class EnginePool:
                 e.costs = costs
         if parallel > 1:  # the target's uneven chains are padded to one length where that costs less
             targets[0]._runner.batch_seconds = costs.batch_seconds
+            targets[0]._runner.pad_max = settings.draft_max + 1
         return cls([Slot(i, e) for i, e in enumerate(engines)], lockstep)
 
     @property
