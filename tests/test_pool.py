@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import llama_cpp
 import numpy as np
@@ -221,26 +222,16 @@ def test_slots_verify_together_after_drafting(tiny_target, tiny_draft) -> None:
     da, db = LlamaCppDecoder.slots(tiny_draft, DecoderOptions(n_ctx=512), 2, lockstep, leads=True)
     for d in (ta, tb, da):
         d.sync(list(range(10, 18)))
-    ready = threading.Barrier(2)
 
     def drafting() -> None:
-        with lockstep.member():
-            ready.wait()
-            da.feed([1])  # a draft token: this tick runs the draft context alone
-            da.feed([2])
-            ta.feed([1, 2, 3])  # the chain, verified
+        da.feed([1])  # a draft token: this tick runs the draft context alone
+        da.feed([2])
+        ta.feed([1, 2, 3])  # the chain, verified
 
     def plain() -> None:
-        with lockstep.member():
-            ready.wait()
-            tb.feed([4])  # held until the other slot's chain comes
+        tb.feed([4])  # held until the other slot's chain comes
 
-    threads = [threading.Thread(target=drafting), threading.Thread(target=plain)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert not any(t.is_alive() for t in threads)
+    _side_by_side(lockstep, drafting, plain)
     assert ta.lanes == tb.lanes == (3, 1)
     assert da.lanes == (1,)
     for d in (ta, tb, da, db):
@@ -255,27 +246,35 @@ def _pads_beside_a_chain(tiny_target, price) -> tuple[tuple[int, ...], int, np.n
     ta._runner.batch_seconds, ta._runner.pad_max = price, 3
     for d in (ta, tb):
         d.sync(list(range(10, 18)))
-    ready, out = threading.Barrier(2), {}
-
-    def chain() -> None:
-        with lockstep.member():
-            ready.wait()
-            ta.feed([1, 2, 3])
+    out = {}
 
     def plain() -> None:
+        tb.feed([4])
+        out["lanes"] = tb.lanes
+        out["logits"] = tb.feed([5])
+
+    _side_by_side(lockstep, lambda: ta.feed([1, 2, 3]), plain)
+    last = llama_cpp.llama_memory_seq_pos_max(tb._mem, tb.lane)
+    for d in (ta, tb):
+        d.close()
+    return out["lanes"], last, out["logits"]
+
+
+def _side_by_side(lockstep: Lockstep, *bodies: Callable[[], object]) -> None:
+    """Each body in a thread of its own, all members of `lockstep` from the start (so their first decodes meet)."""
+    ready = threading.Barrier(len(bodies))
+
+    def member(body: Callable[[], object]) -> None:
         with lockstep.member():
             ready.wait()
-            tb.feed([4])
-            out["lanes"] = tb.lanes
-            out["logits"] = tb.feed([5])
+            body()
 
-    threads = [threading.Thread(target=chain), threading.Thread(target=plain)]
+    threads = [threading.Thread(target=member, args=(b,)) for b in bodies]
     for t in threads:
         t.start()
     for t in threads:
         t.join(30)
     assert not any(t.is_alive() for t in threads)
-    return out["lanes"], llama_cpp.llama_memory_seq_pos_max(tb._mem, tb.lane), out["logits"]
 
 
 def test_a_shorter_chain_is_padded_into_one_micro_batch_and_its_pads_leave_no_trace(tiny_target) -> None:
