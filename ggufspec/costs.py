@@ -52,10 +52,8 @@ class CostModel:
 
     def batch_seconds(self, n: int) -> float:
         """Seconds for a batch of n tokens: measured, interpolated between measured sizes, or scaled from the largest."""
-        if n <= len(self.verify):
-            return self.verify[n - 1]
-        if not self.long_sizes:
-            return self.verify[-1] * n / len(self.verify)
+        if n <= len(self.verify) or not self.long_sizes:
+            return self.verify[min(n, len(self.verify)) - 1]
         sizes, secs = [len(self.verify), *self.long_sizes], [self.verify[-1], *self.long_verify]
         if n >= sizes[-1]:
             return secs[-1] * n / sizes[-1]
