@@ -792,14 +792,17 @@ class _SharedContext:
         # (and as many tokens of each), so slots in order share theirs
         subs = sorted(subs, key=lambda s: s.seq_ids[0][0])
         pads, ran = self._pads(subs)
-        tokens = [t for s, pad in zip(subs, pads) for t in (*s.tokens, *[s.tokens[-1]] * pad)]
+        tokens, positions, seq_ids, outputs = [], [], [], []
+        for s, pad in zip(subs, pads):  # a pad repeats the sequence's last token past its last position, unread
+            end = s.positions[-1] + 1
+            tokens += [*s.tokens, *[s.tokens[-1]] * pad]
+            positions += [*s.positions, *range(end, end + pad)]
+            seq_ids += [*s.seq_ids, *[s.seq_ids[-1]] * pad]
+            outputs += [*s.outputs, *[False] * pad]
         n = len(tokens)
         if n > o._batch.capacity:  # cannot happen: each slot submits at most its n_batch, and pads fit beside it
             raise GGUFSpecError(f"a shared batch of {n} tokens exceeds its capacity {o._batch.capacity}")
-        o._batch.fill_entries(
-            tokens, [p for s, pad in zip(subs, pads) for p in (*s.positions, *range(s.positions[-1] + 1, s.positions[-1] + 1 + pad))],
-            [ids for s, pad in zip(subs, pads) for ids in (*s.seq_ids, *[s.seq_ids[-1]] * pad)],
-            [out for s, pad in zip(subs, pads) for out in (*s.outputs, *[False] * pad)])
+        o._batch.fill_entries(tokens, positions, seq_ids, outputs)
         hidden = o.options.embeddings and any(s.hidden for s in subs)
         if self._hidden_on != hidden:
             self._hidden_on = hidden
@@ -832,7 +835,8 @@ class _SharedContext:
     def _pads(self, subs: list[Submission]) -> tuple[list[int], tuple[int, ...] | None]:
         """Pad tokens after each submission's (sorted by sequence), and the lanes that then run (None: no pads)."""
         seqs = {s.seq_ids[0][0] for s in subs}
-        if self.batch_seconds is None or len(seqs) < 2 or len(seqs) < len(subs) or any(len(s.seq_ids[0]) != 1 for s in subs):
+        one_each = len(seqs) == len(subs) and all(len(ids) == 1 for s in subs for ids in s.seq_ids)  # chains, no trees
+        if self.batch_seconds is None or len(seqs) < 2 or not one_each:
             return [0] * len(subs), None
         lanes = [0] * (1 + subs[-1].seq_ids[0][0])
         for s in subs:

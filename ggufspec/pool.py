@@ -105,7 +105,7 @@ class EnginePool:
         if costs is None:  # measured by one slot alone, now: later, the other slots' batches would ride along
             # also the batches of every slot's token and of two each (a plain step and one draft each): interpolated
             # between 5 and 16 tokens, a batch of 8 was priced 10% over its cost on the AMX Xeon, and what the
-            # slots' 8-token batches taught bent the price of 16 to 1.6 times its own (docs/benchmarks-parallel.md,
+            # slots' 8-token batches taught bent the price of 16 to 1.8 times its own (docs/benchmarks-parallel.md,
             # run 8)
             sizes = sorted({*LONG_BATCHES, parallel, 2 * parallel})
             costs = cached_measure(targets[0], drafts[0], settings.draft_max, sizes)
