@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 from .decoder import Decoder, LlamaCppDecoder
-from .lockstep import even_lanes, micro_batches
+from .lockstep import padded_seconds
 # the cache files and the machine key: machine_cache, shared with kv_cache (costs_path stays importable from here)
 from .machine_cache import costs_path, machine, read_entry, write_table
 from .machine_cache import json_type as _json_type
@@ -165,7 +165,7 @@ class SharedBatch(CostModel):
             lanes = [k + 1 if n else 0 for n in self.lanes] if self.follow else self.lanes
             price = self.base.batch_seconds
             longest = len(self.base.verify)  # a step's chain: as the pool pads (draft_max + 1)
-            seconds = k * (0.0 if free else self.draft) + sum(map(price, micro_batches(even_lanes(lanes, price, longest))))
+            seconds = k * (0.0 if free else self.draft) + padded_seconds(lanes, price, longest)
             self._steps[k, free] = seconds
         return seconds
 

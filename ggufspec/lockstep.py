@@ -189,13 +189,22 @@ def even_lanes(lanes: Sequence[int], seconds: Callable[[int], float], longest: i
     not padded: llama.cpp also cuts those at n_ubatch, which micro_batches does not price. The pads' outputs are
     not read and their cells are removed after the batch (decoder._SharedContext), so no sequence's tokens change:
     each sequence's rows attend only to its own stream, its earlier tokens."""
+    return _cheapest(lanes, seconds, longest)[0]
+
+
+def padded_seconds(lanes: Sequence[int], seconds: Callable[[int], float], longest: int) -> float:
+    """What the batch of `lanes` costs by `seconds`, padded as even_lanes pads it."""
+    return _cheapest(lanes, seconds, longest)[1]
+
+
+def _cheapest(lanes: Sequence[int], seconds: Callable[[int], float], longest: int) -> tuple[tuple[int, ...], float]:
     best, cheapest = tuple(lanes), sum(map(seconds, micro_batches(lanes)))
     for m in sorted({n for n in lanes if 0 < n <= longest}):
         padded = tuple(max(n, m) if n else 0 for n in lanes)
         price = sum(map(seconds, micro_batches(padded)))
         if price < cheapest:
             best, cheapest = padded, price
-    return best
+    return best, cheapest
 
 
 @lru_cache(maxsize=4096)  # `auto` prices every draft length against the same lanes each step
