@@ -791,14 +791,26 @@ class _SharedContext:
         # by sequence: llama.cpp splits a batch over several streams into micro-batches of consecutive sequence ids
         # (and as many tokens of each), so slots in order share theirs
         subs = sorted(subs, key=lambda s: s.seq_ids[0][0])
-        pads, ran = self._pads(subs)
+        ran = self._padded_lanes(subs)
         tokens, positions, seq_ids, outputs = [], [], [], []
-        for s, pad in zip(subs, pads):  # a pad repeats the sequence's last token past its last position, unread
-            end = s.positions[-1] + 1
-            tokens += [*s.tokens, *[s.tokens[-1]] * pad]
-            positions += [*s.positions, *range(end, end + pad)]
-            seq_ids += [*s.seq_ids, *[s.seq_ids[-1]] * pad]
-            outputs += [*s.outputs, *[False] * pad]
+        padded: list[tuple[int, int]] = []  # (sequence, its first pad's position)
+        by_seq = {s.seq_ids[0][0]: s for s in subs}
+        # in sequence order, as llama.cpp takes consecutive sequences into one micro-batch
+        for seq in range(len(ran)) if ran is not None else by_seq:
+            s = by_seq.get(seq)
+            if s is not None:
+                tokens += s.tokens
+                positions += s.positions
+                seq_ids += s.seq_ids
+                outputs += s.outputs
+            pad = ran[seq] - (len(s.tokens) if s is not None else 0) if ran is not None else 0
+            if pad:  # past the sequence's last position (an idle one's cached tokens), unread
+                end = s.positions[-1] + 1 if s is not None else llama_cpp.llama_memory_seq_pos_max(o._mem, seq) + 1
+                tokens += [subs[0].tokens[-1]] * pad
+                positions += range(end, end + pad)
+                seq_ids += [[seq]] * pad
+                outputs += [False] * pad
+                padded.append((seq, end))
         n = len(tokens)
         if n > o._batch.capacity:  # cannot happen: each slot submits at most its n_batch, and pads fit beside it
             raise GGUFSpecError(f"a shared batch of {n} tokens exceeds its capacity {o._batch.capacity}")
@@ -811,10 +823,10 @@ class _SharedContext:
         if rc == 0:
             llama_cpp.llama_synchronize(o._ctx)  # as in _run_batch: the submissions' seconds include the computation
         o._batch.reset_sequences(n)
-        for s, pad in zip(subs, pads):
+        for s in subs:
             s.rc = rc
-            if pad:  # the pads' cells go: the sequence is as if its own tokens had run alone
-                llama_cpp.llama_memory_seq_rm(o._mem, s.seq_ids[-1][0], s.positions[-1] + 1, -1)
+        for seq, end in padded:  # the pads' cells go: each sequence is as if its own tokens had run alone
+            llama_cpp.llama_memory_seq_rm(o._mem, seq, end, -1)
         if rc != 0:
             return ran
         # llama.cpp keeps the output rows in batch order, each submission's together: one view of the batch, a slice
@@ -832,19 +844,19 @@ class _SharedContext:
             row += k
         return ran
 
-    def _pads(self, subs: list[Submission]) -> tuple[list[int], tuple[int, ...] | None]:
-        """Pad tokens after each submission's (sorted by sequence), and the lanes that then run (None: no pads)."""
+    def _padded_lanes(self, subs: list[Submission]) -> tuple[int, ...] | None:
+        """The tokens each sequence runs, pads included, where padding makes the batch cheaper (subs sorted by
+        sequence; an idle sequence below the last one may be padded too); None: no pads. A slot is one sequence of
+        this context (EnginePool sets batch_seconds only so)."""
         seqs = {s.seq_ids[0][0] for s in subs}
         one_each = len(seqs) == len(subs) and all(len(ids) == 1 for s in subs for ids in s.seq_ids)  # chains, no trees
         if self.batch_seconds is None or len(seqs) < 2 or not one_each:
-            return [0] * len(subs), None
+            return None
         lanes = [0] * (1 + subs[-1].seq_ids[0][0])
         for s in subs:
             lanes[s.seq_ids[0][0]] += len(s.tokens)
         even = even_lanes(lanes, self.batch_seconds, self.pad_max)
-        if even == tuple(lanes):
-            return [0] * len(subs), None
-        return [even[s.seq_ids[0][0]] - lanes[s.seq_ids[0][0]] for s in subs], even
+        return None if even == tuple(lanes) else even
 
 
 def _buffer_rows(views: dict[tuple[int, int, int], np.ndarray], ptr, n_rows: int, width: int) -> np.ndarray:

@@ -182,13 +182,15 @@ def micro_batches(lanes: Sequence[int]) -> list[int]:
 
 
 def even_lanes(lanes: Sequence[int], seconds: Callable[[int], float], longest: int) -> tuple[int, ...]:
-    """`lanes` with the shorter ones padded up to a common length of at most `longest` (a step's chain; idle
-    sequences, 0, stay idle), where that costs less by `seconds` (a batch's price by its tokens) than the
-    micro-batches of the lanes as they are; else as they are. Eight slots' 2-token chains with two plain steps among
-    them ran in 4 micro-batches (7 decodes on the AMX Xeon), padded in one of 16 tokens (3.9). Prompt chunks are
-    not padded: llama.cpp also cuts those at n_ubatch, which micro_batches does not price. The pads' outputs are
-    not read and their cells are removed after the batch (decoder._SharedContext), so no sequence's tokens change:
-    each sequence's rows attend only to its own stream, its earlier tokens."""
+    """`lanes` with the shorter ones padded up to a common length of at most `longest` (a step's chain), the idle
+    sequences among them (0) too or not, where that costs less by `seconds` (a batch's price by its tokens) than
+    the micro-batches of the lanes as they are; else as they are. Eight slots' 2-token chains with two plain steps
+    among them ran in 4 micro-batches (7 decodes on the AMX Xeon), padded in one of 16 tokens (3.9); four slots'
+    plain steps with idle slots between them, (1, 1, 0, 0, 0, 1, 1), ran in two passes, 509 ms a tick, where 8
+    slots' took 308 (docs/benchmarks-parallel.md, run 10). Prompt chunks are not padded, nor idle sequences beside
+    them: llama.cpp also cuts those at n_ubatch, which micro_batches does not price. The pads' outputs are not read
+    and their cells are removed after the batch (decoder._SharedContext), so no sequence's tokens change: each
+    sequence's rows attend only to its own stream, its earlier tokens."""
     return _cheapest(lanes, seconds, longest)[0]
 
 
@@ -199,11 +201,13 @@ def padded_seconds(lanes: Sequence[int], seconds: Callable[[int], float], longes
 
 def _cheapest(lanes: Sequence[int], seconds: Callable[[int], float], longest: int) -> tuple[tuple[int, ...], float]:
     best, cheapest = tuple(lanes), sum(map(seconds, micro_batches(lanes)))
+    steps = max(lanes, default=0) <= longest  # no prompt's chunk: idle sequences may be padded too
     for m in sorted({n for n in lanes if 0 < n <= longest}):
-        padded = tuple(max(n, m) if n else 0 for n in lanes)
-        price = sum(map(seconds, micro_batches(padded)))
-        if price < cheapest:
-            best, cheapest = padded, price
+        busy = tuple(max(n, m) if n else 0 for n in lanes)
+        for padded in (busy, tuple(max(n, m) for n in lanes)) if steps else (busy,):
+            price = sum(map(seconds, micro_batches(padded)))
+            if price < cheapest:
+                best, cheapest = padded, price
     return best, cheapest
 
 

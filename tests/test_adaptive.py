@@ -278,8 +278,11 @@ def test_uneven_chains_are_padded_to_one_length_where_one_micro_batch_costs_less
     assert even_lanes([2, 1, 2, 2, 1, 2, 2, 2], XEON_POOL.batch_seconds, 5) == (2,) * 8
     # one 5-token chain beside plain steps: padding every slot to 5 tokens (40) costs more than a pass of 4
     assert even_lanes([1] * 7 + [5], XEON_POOL.batch_seconds, 5) == (1,) * 7 + (5,)
-    assert even_lanes([2, 1, 0, 2], XEON_POOL.batch_seconds, 5) == (2, 2, 0, 2)  # an idle slot stays idle
+    # an idle slot between busy ones splits their pass in two: padded where one pass of all costs less
+    assert even_lanes([1, 1, 0, 0, 0, 1, 1], XEON_POOL.batch_seconds, 5) == (1,) * 7
+    assert even_lanes([2, 1, 0, 2], XEON_POOL.batch_seconds, 5) == (2, 2, 0, 2)  # 4 + 2 tokens: cheaper than 8
     assert even_lanes([128, 100, 1], XEON_POOL.batch_seconds, 5) == (128, 100, 1)  # prompt chunks: not padded
+    assert even_lanes([1, 0, 128], XEON_POOL.batch_seconds, 5) == (1, 0, 128)  # nor idle slots beside them
     # priced as it runs: a slot's draft that evens the others' chains costs less than its plain step beside them
     chains = SharedBatch(XEON_POOL, [2, 1, 2, 2, 2, 2, 2, 2], lane=1)
     assert chains.step_seconds(1) == pytest.approx(XEON_POOL.batch_seconds(16) + XEON_POOL.draft)

@@ -288,6 +288,40 @@ def test_a_shorter_chain_is_padded_into_one_micro_batch_and_its_pads_leave_no_tr
     np.testing.assert_allclose(padded[2], plain[2], rtol=0, atol=1e-4)
 
 
+def _steps_beside_an_idle_slot(tiny_target, price) -> tuple[tuple[int, ...], tuple[int, int], np.ndarray, np.ndarray]:
+    """Slots a and c decode a token each while slot b, between them, holds a cached prompt and decodes nothing; then
+    b decodes a token: the batch's lanes, b's cached positions after it, c's logits and b's next logits."""
+    lockstep = Lockstep()
+    ta, tb, tc = LlamaCppDecoder.slots(tiny_target, DecoderOptions(n_ctx=768), 3, lockstep)
+    ta._runner.batch_seconds, ta._runner.pad_max = price, 3
+    for d in (ta, tb, tc):
+        d.sync(list(range(10, 18)))
+    out = {}
+
+    def c() -> None:
+        out["logits"] = tc.feed([4])
+        out["lanes"] = tc.lanes
+
+    _side_by_side(lockstep, lambda: ta.feed([4]), c)
+    kept = tb.kv_positions()
+    after = tb.feed([4])
+    for d in (ta, tb, tc):
+        d.close()
+    return out["lanes"], kept, out["logits"], after
+
+
+def test_an_idle_slot_between_busy_ones_is_padded_into_their_pass_and_keeps_its_cache(tiny_target) -> None:
+    """Where a pass costs the same whatever its size, slots 0 and 2's tokens run in one micro-batch with a pad in
+    idle slot 1 (llama.cpp would split them into two: a gap breaks the run of consecutive sequences); the pad's cell
+    is removed, so slot 1's cache holds its prompt only and its next token gets the same logits (to 1e-4)."""
+    padded = _steps_beside_an_idle_slot(tiny_target, lambda n: 1.0)
+    plain = _steps_beside_an_idle_slot(tiny_target, None)
+    assert padded[0] == (1, 1, 1) and plain[0] == (1, 0, 1)
+    assert padded[1] == plain[1] == (0, 7)
+    np.testing.assert_allclose(padded[2], plain[2], rtol=0, atol=1e-4)
+    np.testing.assert_allclose(padded[3], plain[3], rtol=0, atol=1e-4)
+
+
 def test_slots_refuse_what_a_shared_context_cannot_do(tiny_target) -> None:
     lockstep = Lockstep()
     with pytest.raises(ValueError, match="n_seq_max must be 1"):
