@@ -33,17 +33,21 @@ LONG_BATCHES = (16, 32, 64)
 @dataclass
 class CostModel:
     """verify[n-1]: seconds for the target to decode n tokens with all logits; draft: one draft token;
-    long_verify[i]: a batch of long_sizes[i] tokens (sizes past verify's; between them, interpolated)."""
+    long_verify[i]: a batch of long_sizes[i] tokens (sizes past verify's; between them, interpolated);
+    draft_batches[i]: a draft batch of draft_sizes[i] tokens (a pool's slots drafting together)."""
 
     verify: list[float]
     draft: float
     long_sizes: list[int] = field(default_factory=list)
     long_verify: list[float] = field(default_factory=list)
+    draft_sizes: list[int] = field(default_factory=list)
+    draft_batches: list[float] = field(default_factory=list)
 
     def copy(self) -> CostModel:
         """An independent copy, of the same class (a subclass may price or learn differently)."""
         return replace(self, verify=list(self.verify), long_sizes=list(self.long_sizes),
-                       long_verify=list(self.long_verify))
+                       long_verify=list(self.long_verify), draft_sizes=list(self.draft_sizes),
+                       draft_batches=list(self.draft_batches))
 
     @property
     def k_long(self) -> tuple[int, ...]:
@@ -57,8 +61,17 @@ class CostModel:
         sizes, secs = [len(self.verify), *self.long_sizes], [self.verify[-1], *self.long_verify]
         if n >= sizes[-1]:
             return secs[-1] * n / sizes[-1]
-        i = bisect.bisect_left(sizes, n)
-        return secs[i - 1] + (secs[i] - secs[i - 1]) * (n - sizes[i - 1]) / (sizes[i] - sizes[i - 1])
+        return _between(sizes, secs, n)
+
+    def draft_seconds(self, n: int) -> float:
+        """Seconds for a draft batch of n tokens (every slot's draft position at once): between the measured sizes,
+        interpolated, past the largest, scaled from it; one token's price where no batch was measured."""
+        if n <= 1 or not self.draft_sizes:
+            return self.draft
+        sizes, secs = [1, *self.draft_sizes], [self.draft, *self.draft_batches]
+        if n >= sizes[-1]:
+            return secs[-1] * n / sizes[-1]
+        return _between(sizes, secs, n)
 
     @staticmethod
     def expected_tokens(k: int, acceptance: float | Sequence[float]) -> float:
@@ -100,9 +113,11 @@ class CostModel:
         tokens = self.expected_tokens_upto(max(ks), acceptance)  # one pass for every length (called every step)
         return max(ks, key=lambda k: self.rate(k, tokens[k], free))
 
-    def observe(self, n_verify: int, verify_s: float, draft_decodes: int, draft_s: float, weight: float = 0.2) -> None:
+    def observe(self, n_verify: int, verify_s: float, draft_decodes: int, draft_s: float, weight: float = 0.2,
+                draft_width: int = 1) -> None:
         """Move toward what one step really cost: the batch size seen at `weight`, the others at half of it
-        (after a plain step: every size and the draft at `weight`), the draft at `weight` per decode.
+        (after a plain step: every size and the draft at `weight`), the draft at `weight` per decode, each of its
+        decodes a batch of `draft_width` tokens (other slots' too, in a pool), every draft size alike.
 
         A model measured while the machine was busy (or cached from another load) corrects itself in use.
         Plain steps scale every cost alike: they slow down as the context grows (the draft's too), and
@@ -118,9 +133,20 @@ class CostModel:
             others = weight if n == 0 else weight / 2
             self.verify = [v * ratio ** (weight if i == n else others) for i, v in enumerate(self.verify)]
             if n == 0 and not draft_decodes:
-                self.draft *= ratio ** weight
+                self._scale_draft(ratio ** weight)
         if draft_decodes:
-            self.draft += (1 - (1 - weight) ** draft_decodes) * (draft_s / draft_decodes - self.draft)
+            seen = draft_s / draft_decodes / self.draft_seconds(draft_width)
+            self._scale_draft(1 + (1 - (1 - weight) ** draft_decodes) * (seen - 1))
+
+    def _scale_draft(self, factor: float) -> None:
+        self.draft *= factor
+        self.draft_batches = [s * factor for s in self.draft_batches]
+
+
+def _between(sizes: Sequence[int], secs: Sequence[float], n: int) -> float:
+    """secs interpolated at n, sizes[0] < n < sizes[-1] (both ascending)."""
+    i = bisect.bisect_left(sizes, n)
+    return secs[i - 1] + (secs[i] - secs[i - 1]) * (n - sizes[i - 1]) / (sizes[i] - sizes[i - 1])
 
 
 class SharedBatch(CostModel):
@@ -165,7 +191,11 @@ class SharedBatch(CostModel):
             lanes = [k + 1 if n else 0 for n in self.lanes] if self.follow else self.lanes
             price = self.base.batch_seconds
             longest = len(self.base.verify)  # a step's chain: as the pool pads (draft_max + 1)
-            seconds = k * (0.0 if free else self.draft) + padded_seconds(lanes, price, longest)
+            # following, each draft position is one draft batch of every slot's token: priced as one token, 8
+            # slots' drafts were taken for a seventh of their cost, and all drafted where none paid
+            # (docs/benchmarks-parallel.md, run 10)
+            draft = self.base.draft_seconds(self.busy) if self.follow else self.draft
+            seconds = k * (0.0 if free else draft) + padded_seconds(lanes, price, longest)
             self._steps[k, free] = seconds
         return seconds
 
@@ -200,9 +230,10 @@ class ContextCosts:
 
 
 def measure(target: LlamaCppDecoder, draft: Decoder | None, k_max: int, repeats: int = 5,
-            long_sizes: Sequence[int] = LONG_BATCHES, long_repeats: int = 2) -> tuple[CostModel, float]:
-    """Time target batches of 1..k_max+1 tokens (and of `long_sizes` that fit) and one draft token after a
-    short context; resets both.
+            long_sizes: Sequence[int] = LONG_BATCHES, long_repeats: int = 2,
+            draft_sizes: Sequence[int] = ()) -> tuple[CostModel, float]:
+    """Time target batches of 1..k_max+1 tokens (and of `long_sizes` that fit) and draft batches of one token (and
+    of `draft_sizes` that fit) after a short context; resets both.
 
     Rounds interleave all sizes, so a busy spell hits every one; each time is the fastest round's (long
     batches take part in the first `long_repeats` rounds: each costs as much as many short ones).
@@ -216,7 +247,9 @@ def measure(target: LlamaCppDecoder, draft: Decoder | None, k_max: int, repeats:
         d.rollback_to(len(ctx))
     room = min(target.n_ctx - len(ctx) - 1, target.options.micro_batch)  # one micro-batch, inside the context
     longs = [n for n in long_sizes if k_max + 1 < n <= room]
-    sizes = [(target, n) for n in range(1, k_max + 2)] + ([(draft, 1)] if draft is not None else [])
+    wides = [n for n in draft_sizes if 1 < n <= room] if draft is not None else []
+    # the draft's batches cost a fraction of the target's: every round, after the short sizes
+    sizes = [(target, n) for n in range(1, k_max + 2)] + ([(draft, n) for n in [1, *wides]] if draft is not None else [])
     sizes += [(target, n) for n in longs]
     times: list[list[float]] = [[] for _ in sizes]
     for r in range(repeats):
@@ -231,8 +264,9 @@ def measure(target: LlamaCppDecoder, draft: Decoder | None, k_max: int, repeats:
         d.rollback_to(0)
     best = [min(t) for t in times]
     short = len(sizes) - len(longs)
-    spread = max(max(t) / min(t) for t in times[:short])
-    model = CostModel(best[: k_max + 1], best[k_max + 1] if draft is not None else 0.0, longs, best[short:])
+    spread = max(max(t) / min(t) for t in times[: k_max + 1 + (draft is not None)])
+    model = CostModel(best[: k_max + 1], best[k_max + 1] if draft is not None else 0.0, longs, best[short:],
+                      wides, best[k_max + 2 : short])
     return model, spread
 
 
@@ -240,35 +274,40 @@ MAX_SPREAD = 1.5  # a measurement noisier than this is used for this run but not
 
 
 def cached_measure(target: LlamaCppDecoder, draft: LlamaCppDecoder | None, k_max: int,
-                   long_sizes: Sequence[int] = LONG_BATCHES) -> CostModel:
+                   long_sizes: Sequence[int] = LONG_BATCHES, draft_sizes: Sequence[int] = ()) -> CostModel:
     """measure(), remembered per model files, thread settings, CPU and llama.cpp build (machine_cache.machine: a
     home shared by different machines must not share their costs) in machine_cache.costs_path().
 
     A cached entry is used only when check_costs passes it: a bad one is reported on stderr, measured again and
     written over, so what the cache holds never makes a run fail."""
     if target.options.remote or (draft is not None and draft.options.remote):
-        return measure(target, draft, k_max, long_sizes=long_sizes)[0]  # a network's costs: not this machine's
+        # a network's costs: not this machine's
+        return measure(target, draft, k_max, long_sizes=long_sizes, draft_sizes=draft_sizes)[0]
     path = costs_path()
-    key = json.dumps([_identity(target), _identity(draft) if draft else None, k_max, list(long_sizes), machine()])
-    entry = read_entry(path, key, lambda value: check_costs(value, k_max, long_sizes))
+    key = [_identity(target), _identity(draft) if draft else None, k_max, list(long_sizes), machine()]
+    if draft_sizes:  # keys written before draft batches were measured stay valid
+        key.append(list(draft_sizes))
+    entry = read_entry(path, json.dumps(key), lambda value: check_costs(value, k_max, long_sizes, draft_sizes))
     if entry is not None:
         return CostModel(**entry)
-    model, spread = measure(target, draft, k_max, long_sizes=long_sizes)
+    model, spread = measure(target, draft, k_max, long_sizes=long_sizes, draft_sizes=draft_sizes)
     if spread > MAX_SPREAD:
         return model
-    write_table(path, {key: asdict(model)})
+    write_table(path, {json.dumps(key): asdict(model)})
     return model
 
 
-def check_costs(entry: object, k_max: int, long_sizes: Sequence[int] = LONG_BATCHES) -> str | None:
+def check_costs(entry: object, k_max: int, long_sizes: Sequence[int] = LONG_BATCHES,
+                draft_sizes: Sequence[int] = ()) -> str | None:
     """What is wrong with a cached CostModel (as asdict wrote it) for draft lengths up to k_max; None if nothing is.
 
     verify: k_max + 1 seconds; draft: seconds or 0 (no draft model); long_sizes: what measure() takes of
     `long_sizes` (the sizes past verify's, up to those that fit), with one long_verify time each (both may be
-    missing). Seconds are finite floats above 0: prices divide by them and interpolate between the sizes."""
+    missing); draft_sizes and draft_batches likewise of `draft_sizes` (past 1; none without a draft model).
+    Seconds are finite floats above 0: prices divide by them and interpolate between the sizes."""
     if not isinstance(entry, dict):
         return f"expected an object, found {_json_type(entry)}"
-    unknown = sorted(set(entry) - {"verify", "draft", "long_sizes", "long_verify"})
+    unknown = sorted(set(entry) - {"verify", "draft", "long_sizes", "long_verify", "draft_sizes", "draft_batches"})
     if unknown:
         return f"unknown fields: {', '.join(unknown)}"
     verify, draft = entry.get("verify"), entry.get("draft")
@@ -282,6 +321,12 @@ def check_costs(entry: object, k_max: int, long_sizes: Sequence[int] = LONG_BATC
         return f"long_sizes: expected the first sizes of {longs}"
     if not (isinstance(secs, list) and len(secs) == len(sizes) and all(map(_seconds, secs))):
         return f"long_verify: expected {len(sizes)} positive numbers, one per long size"
+    sizes, secs = entry.get("draft_sizes", []), entry.get("draft_batches", [])
+    wides = [n for n in draft_sizes if n > 1] if draft else []
+    if not (isinstance(sizes, list) and sizes == wides[:len(sizes)]):
+        return f"draft_sizes: expected the first sizes of {wides}"
+    if not (isinstance(secs, list) and len(secs) == len(sizes) and all(map(_seconds, secs))):
+        return f"draft_batches: expected {len(sizes)} positive numbers, one per draft size"
     return None
 
 

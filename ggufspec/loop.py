@@ -51,4 +51,4 @@ def _timing(verdict: Verdict, after: Counters | None, before: Counters | None) -
     if after is None or before is None:
         return Timing(verdict.seconds, batch, verify_passes=passes)
     return Timing(verdict.seconds, batch, after.seconds - before.seconds, after.decodes - before.decodes,
-                  after.decoded - before.decoded, passes)
+                  after.decoded - before.decoded, passes, after.batched - before.batched)

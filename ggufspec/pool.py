@@ -108,7 +108,9 @@ class EnginePool:
             # slots' 8-token batches taught bent the price of 16 to 1.8 times its own (docs/benchmarks-parallel.md,
             # run 8)
             sizes = sorted({*LONG_BATCHES, parallel, 2 * parallel})
-            costs = cached_measure(targets[0], drafts[0], settings.draft_max, sizes)
+            # and the draft model's batch of every slot's draft token (SharedBatch prices following slots so)
+            costs = cached_measure(targets[0], drafts[0], settings.draft_max, sizes,
+                                   [parallel] if parallel > 1 else [])
             for e in engines:
                 e.costs = costs
         if parallel > 1:  # the target's uneven chains are padded to one length where that costs less

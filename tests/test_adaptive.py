@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import llama_cpp
@@ -339,6 +340,27 @@ def test_the_draft_model_prices_every_slot_drafting_alike_while_all_are_on_steps
     assert not auto.model_length.costs.follow
 
 
+def test_following_slots_price_their_drafts_as_one_draft_batch_of_every_slot() -> None:
+    """Eight slots drafting one token each run a draft batch of 8 tokens a position. Priced as one draft token,
+    drafts kept 70% of the time looked worth a 16-token target batch on the AMX Xeon, and all 8 slots drafted at a
+    loss (docs/benchmarks-parallel.md, run 10); priced as the batch they run in, they do not draft."""
+    one_token = SharedBatch(XEON_POOL, [1] * 8, lane=0, follow=True)
+    assert one_token.best_k(0.7, 4) == 1 and one_token.step_seconds(1) == pytest.approx(0.39 + XEON_POOL.draft)
+    pool = replace(XEON_POOL, draft_sizes=[8], draft_batches=[0.05])
+    batch = SharedBatch(pool, [1] * 8, lane=0, follow=True)
+    assert batch.step_seconds(1) == pytest.approx(0.39 + 0.05)
+    assert batch.best_k(0.7, 4) == 0
+    assert SharedBatch(pool, [1] * 8, lane=0).step_seconds(1) == pytest.approx(0.25 + 0.0856 + pool.draft)  # alone
+    assert pool.draft_seconds(4) == pytest.approx(pool.draft + (0.05 - pool.draft) * 3 / 7)  # between the sizes
+    # learning: a draft decode timed in a batch of 8 corrects every draft price by its ratio to that batch's price
+    learned = pool.copy()
+    learned.observe(2, 0.0, 1, 0.06, draft_width=8)
+    assert learned.draft_batches[0] == pytest.approx(0.05 * 1.04) and learned.draft == pytest.approx(pool.draft * 1.04)
+    alone = pool.copy()
+    alone.observe(2, 0.0, 1, 0.02)  # one slot's draft token: as before, toward the time seen
+    assert alone.draft == pytest.approx(pool.draft + 0.2 * (0.02 - pool.draft))
+
+
 def test_a_lookup_guess_is_priced_beside_the_others_next_steps_not_their_last_chains() -> None:
     """Seven slots' last batch had other slots' lookup chains in it; they rarely go on in step, so a guess is priced
     beside the plain steps the draft model's shared choice (none, at 8 slots on this Xeon) makes of them: its chain
@@ -510,9 +532,9 @@ def test_plain_steps_slowing_with_the_context_do_not_make_drafting_look_cheaper(
 def test_cost_cache_is_per_machine(tiny_target, tiny_draft, tmp_path, monkeypatch) -> None:
     calls, real_machine = [], costs_module.machine
 
-    def counted(target, draft, k_max, long_sizes=costs_module.LONG_BATCHES):
+    def counted(target, draft, k_max, long_sizes=costs_module.LONG_BATCHES, draft_sizes=()):
         calls.append(k_max)
-        return measure(target, draft, k_max, long_sizes=long_sizes)[0], 1.0  # a quiet measurement, so it is cached
+        return measure(target, draft, k_max, long_sizes=long_sizes, draft_sizes=draft_sizes)[0], 1.0  # a quiet measurement, so it is cached
 
     monkeypatch.setenv("GGUFSPEC_CACHE", str(tmp_path))
     monkeypatch.setattr(costs_module, "measure", counted)

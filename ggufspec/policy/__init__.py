@@ -39,6 +39,7 @@ class Timing:
     draft_decodes: int = 0  # a draft model's batches and tokens this step (catching up on unseen context included)
     draft_tokens: int = 0
     verify_passes: int = 1  # the micro-batches a shared batch ran in: its seconds price one batch only when 1
+    draft_batched: int = 0  # the tokens of the whole draft batches (other slots' too, in a pool)
 
 
 class Policy(Protocol):

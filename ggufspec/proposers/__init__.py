@@ -80,6 +80,7 @@ class Counters:
     seconds: float = 0.0  # spent proposing (a draft model's decodes included)
     decodes: int = 0  # a draft model's batches...
     decoded: int = 0  # ...and the tokens in them (a catch-up on unseen context is one batch of many)
+    batched: int = 0  # the tokens of the whole batches they ran in (other slots' too, in a pool's shared context)
 
 
 class Proposer(Protocol):

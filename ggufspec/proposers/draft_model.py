@@ -44,11 +44,12 @@ class DraftModelProposer:
         if k <= 0:
             return NO_DRAFT
         d, c = self.draft, self.counters
-        seconds, decodes, decoded = d.decode_seconds, d.n_decodes, d.n_decoded_tokens
+        seconds, decodes, decoded, batched = d.decode_seconds, d.n_decodes, d.n_decoded_tokens, d.n_batched_tokens
         draft = self._tree(context.tokens, k) if self.tree_leaves > 1 and k > 1 else self._chain(context.tokens, k)
         c.seconds += d.decode_seconds - seconds
         c.decodes += d.n_decodes - decodes
         c.decoded += d.n_decoded_tokens - decoded
+        c.batched += d.n_batched_tokens - batched
         c.drafts += 1
         c.drafted += len(draft.tokens)
         return draft
