@@ -124,9 +124,13 @@ class CostModel:
         taking that as batches or drafts getting relatively cheaper would switch drafting on where it
         does not pay.
         """
-        if verify_s > 0 and n_verify > len(self.verify) and self.long_sizes:  # only the nearest long size learns
-            i = min(range(len(self.long_sizes)), key=lambda i: abs(self.long_sizes[i] - n_verify))
-            self.long_verify[i] *= (verify_s / self.batch_seconds(n_verify)) ** weight
+        if verify_s > 0 and n_verify > len(self.verify) and self.long_sizes:
+            # only a measured size learns, from a batch of its own size: between sizes the price is not smooth (on
+            # the AMX Xeon 7 tokens cost more than 8), and 7 slots' batches priced 8 a third over its cost
+            # (docs/benchmarks-parallel.md, run 10)
+            if n_verify in self.long_sizes:
+                i = self.long_sizes.index(n_verify)
+                self.long_verify[i] *= (verify_s / self.long_verify[i]) ** weight
         elif verify_s > 0:
             n = min(n_verify, len(self.verify)) - 1
             ratio = verify_s / self.verify[n]

@@ -117,7 +117,9 @@ def test_long_batches_are_priced_between_the_measured_sizes_and_learn_alone() ->
     assert c.batch_seconds(10) == pytest.approx(c.verify[3] + (0.30 - c.verify[3]) * 6 / 12)
     assert c.batch_seconds(48) == pytest.approx(0.70) and c.batch_seconds(128) == pytest.approx(1.80)
     assert c.step_seconds(31, free=True) == 0.50
-    c.observe(33, 0.60, 0, 0.0)  # a 33-token batch took longer than priced: only the nearest long size learns
+    c.observe(33, 0.60, 0, 0.0)  # a size between the measured ones teaches none of them (the curve is not smooth)
+    assert c == LONG
+    c.observe(32, 0.60, 0, 0.0)  # a 32-token batch took longer than priced: only its own size learns
     assert c.long_verify[0] == 0.30 and c.long_verify[2] == 0.90 and c.long_verify[1] > 0.50
     assert c.verify == LONG.verify and c.draft == LONG.draft
     assert CostModel([0.1, 0.2], 0.01).batch_seconds(9) == 0.2  # nothing measured past: the largest size
