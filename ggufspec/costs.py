@@ -11,12 +11,13 @@ from __future__ import annotations
 import bisect
 import json
 import math
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 from .decoder import Decoder, LlamaCppDecoder
-from .lockstep import padded_seconds
+from .lockstep import Lockstep, padded_seconds
 # the cache files and the machine key: machine_cache, shared with kv_cache (costs_path stays importable from here)
 from .machine_cache import costs_path, machine, read_entry, write_table
 from .machine_cache import json_type as _json_type
@@ -34,7 +35,9 @@ LONG_BATCHES = (16, 32, 64)
 class CostModel:
     """verify[n-1]: seconds for the target to decode n tokens with all logits; draft: one draft token;
     long_verify[i]: a batch of long_sizes[i] tokens (sizes past verify's; between them, interpolated);
-    draft_batches[i]: a draft batch of draft_sizes[i] tokens (a pool's slots drafting together)."""
+    draft_batches[i]: a draft batch of draft_sizes[i] tokens (a pool's slots drafting together), one each;
+    slot_verify[w-1]: a batch of w tokens in each of `slots` sequences (a pool's steps; measure_together).
+    All but slot_verify are one sequence's tokens, as measure() times them."""
 
     verify: list[float]
     draft: float
@@ -42,12 +45,14 @@ class CostModel:
     long_verify: list[float] = field(default_factory=list)
     draft_sizes: list[int] = field(default_factory=list)
     draft_batches: list[float] = field(default_factory=list)
+    slots: int = 0
+    slot_verify: list[float] = field(default_factory=list)
 
     def copy(self) -> CostModel:
         """An independent copy, of the same class (a subclass may price or learn differently)."""
         return replace(self, verify=list(self.verify), long_sizes=list(self.long_sizes),
                        long_verify=list(self.long_verify), draft_sizes=list(self.draft_sizes),
-                       draft_batches=list(self.draft_batches))
+                       draft_batches=list(self.draft_batches), slot_verify=list(self.slot_verify))
 
     @property
     def k_long(self) -> tuple[int, ...]:
@@ -62,6 +67,15 @@ class CostModel:
         if n >= sizes[-1]:
             return secs[-1] * n / sizes[-1]
         return _between(sizes, secs, n)
+
+    def micro_seconds(self, seqs: int, each: int) -> float:
+        """Seconds for a micro-batch of `each` tokens in each of `seqs` sequences (lockstep.micro_shapes): the
+        pool's steps as measured together, else priced by its tokens. llama.cpp computes several sequences' tokens
+        with other kernels than one sequence's as many (on the AMX Xeon 8 slots' tokens took 232 ms, one
+        sequence's 8 353)."""
+        if seqs > 1 and seqs == self.slots and each <= len(self.slot_verify):
+            return self.slot_verify[each - 1]
+        return self.batch_seconds(seqs * each)
 
     def draft_seconds(self, n: int) -> float:
         """Seconds for a draft batch of n tokens (every slot's draft position at once): between the measured sizes,
@@ -114,17 +128,22 @@ class CostModel:
         return max(ks, key=lambda k: self.rate(k, tokens[k], free))
 
     def observe(self, n_verify: int, verify_s: float, draft_decodes: int, draft_s: float, weight: float = 0.2,
-                draft_width: int = 1) -> None:
+                draft_width: int = 1, verify_seqs: int = 1) -> None:
         """Move toward what one step really cost: the batch size seen at `weight`, the others at half of it
         (after a plain step: every size and the draft at `weight`), the draft at `weight` per decode, each of its
-        decodes a batch of `draft_width` tokens (other slots' too, in a pool), every draft size alike.
+        decodes a batch of `draft_width` tokens (other slots' too, in a pool), every draft size alike. A batch of
+        `verify_seqs` sequences' tokens teaches only the slots' shape it ran as (micro_seconds), if it is one.
 
         A model measured while the machine was busy (or cached from another load) corrects itself in use.
         Plain steps scale every cost alike: they slow down as the context grows (the draft's too), and
         taking that as batches or drafts getting relatively cheaper would switch drafting on where it
         does not pay.
         """
-        if verify_s > 0 and n_verify > len(self.verify) and self.long_sizes:
+        if verify_s > 0 and verify_seqs > 1:
+            each = n_verify // verify_seqs
+            if verify_seqs == self.slots and each * verify_seqs == n_verify and each <= len(self.slot_verify):
+                self.slot_verify[each - 1] *= (verify_s / self.slot_verify[each - 1]) ** weight
+        elif verify_s > 0 and n_verify > len(self.verify) and self.long_sizes:
             # only a measured size learns, from a batch of its own size: between sizes the price is not smooth (on
             # the AMX Xeon 7 tokens cost more than 8), and 7 slots' batches priced 8 a third over its cost
             # (docs/benchmarks-parallel.md, run 10)
@@ -158,7 +177,7 @@ class SharedBatch(CostModel):
     last one (`lanes`, this slot's at `lane`): the rule that prices speculation per batch (docs/methods.md).
 
     A step with k drafts makes the whole batch cost its micro-batches (llama.cpp runs chains of unequal lengths in
-    several: lockstep.micro_batches), each at batch_seconds, and commits the others' tokens plus this slot's expected
+    several: lockstep.micro_batches), each at micro_seconds, and commits the others' tokens plus this slot's expected
     ones; the others are counted as committing one token per token they add (a plain step's; drafting slots commit
     fewer, so this under-prices drafting, never over-prices it). So drafting is chosen only where it raises the
     whole batch's tokens per second: with one busy slot it is the base model's choice; with many, on a CPU where a
@@ -187,13 +206,15 @@ class SharedBatch(CostModel):
     draft = property(lambda self: self.base.draft)
     long_sizes = property(lambda self: self.base.long_sizes)
     long_verify = property(lambda self: self.base.long_verify)
+    slots = property(lambda self: self.base.slots)
+    slot_verify = property(lambda self: self.base.slot_verify)
 
     def step_seconds(self, k: int, free: bool = False) -> float:
         seconds = self._steps.get((k, free))
         if seconds is None:
             self.lanes[self.lane] = k + 1
             lanes = [k + 1 if n else 0 for n in self.lanes] if self.follow else self.lanes
-            price = self.base.batch_seconds
+            price = self.base.micro_seconds
             longest = len(self.base.verify)  # a step's chain: as the pool pads (draft_max + 1)
             # following, each draft position is one draft batch of every slot's token: priced as one token, 8
             # slots' drafts were taken for a seventh of their cost, and all drafted where none paid
@@ -274,6 +295,43 @@ def measure(target: LlamaCppDecoder, draft: Decoder | None, k_max: int, repeats:
     return model, spread
 
 
+def measure_together(lockstep: Lockstep, views: Sequence[LlamaCppDecoder], widths: Sequence[int],
+                     repeats: int = 3) -> list[float]:
+    """Seconds for one batch of w tokens in each of `views`' sequences (slots of one shared context: the shape a
+    pool's steps run in), for each w in `widths`, the fastest of `repeats`, after a short context; resets them.
+    measure() times one sequence's tokens, which llama.cpp runs in other kernels: on the AMX Xeon 8 slots' tokens
+    took 297 ms, one sequence's 8 353, and 8 slots' 2-token chains 1.6 times their plain steps where one sequence's
+    16 tokens took 1.4 times its 8 (docs/benchmarks-parallel.md, run 10). Each view feeds from a thread of its own
+    (a member of `lockstep`), so their decodes meet in one tick, on the lockstep's decode thread."""
+    ctx = list(range(100, 132))
+    times: dict[int, list[float]] = {w: [] for w in widths}
+    together = threading.Barrier(len(views))
+
+    def slot(v: LlamaCppDecoder) -> None:
+        # a member waiting at the barrier would hold back a tick another thread waits on: each waits only where no
+        # thread has a decode pending (and each feed's tick has every member's)
+        v.sync(ctx)
+        together.wait()
+        with lockstep.member():
+            together.wait()
+            for _ in range(repeats):
+                for w in widths:
+                    before = v.decode_seconds
+                    v.feed(list(range(200, 200 + w)))
+                    if v is views[0]:
+                        times[w].append(v.decode_seconds - before)  # the whole batch's seconds
+                    v.rollback_to(len(ctx))
+                    together.wait()
+        v.rollback_to(0)
+
+    threads = [threading.Thread(target=slot, args=(v,)) for v in views]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [min(times[w]) for w in widths]
+
+
 MAX_SPREAD = 1.5  # a measurement noisier than this is used for this run but not cached
 
 
@@ -311,7 +369,8 @@ def check_costs(entry: object, k_max: int, long_sizes: Sequence[int] = LONG_BATC
     Seconds are finite floats above 0: prices divide by them and interpolate between the sizes."""
     if not isinstance(entry, dict):
         return f"expected an object, found {_json_type(entry)}"
-    unknown = sorted(set(entry) - {"verify", "draft", "long_sizes", "long_verify", "draft_sizes", "draft_batches"})
+    unknown = sorted(set(entry) - {"verify", "draft", "long_sizes", "long_verify", "draft_sizes", "draft_batches",
+                                   "slots", "slot_verify"})
     if unknown:
         return f"unknown fields: {', '.join(unknown)}"
     verify, draft = entry.get("verify"), entry.get("draft")
@@ -331,6 +390,8 @@ def check_costs(entry: object, k_max: int, long_sizes: Sequence[int] = LONG_BATC
         return f"draft_sizes: expected the first sizes of {wides}"
     if not (isinstance(secs, list) and len(secs) == len(sizes) and all(map(_seconds, secs))):
         return f"draft_batches: expected {len(sizes)} positive numbers, one per draft size"
+    if entry.get("slots", 0) != 0 or entry.get("slot_verify", []) != []:  # measured at each load: never cached
+        return "slots: expected none"
     return None
 
 

@@ -24,7 +24,7 @@ from . import kv_cache, llama_log, rpc
 from .errors import ContextLengthError, GGUFSpecError
 from .gguf_check import read_header
 from .llama_batch import Batch
-from .lockstep import Lockstep, Submission, even_lanes
+from .lockstep import Lockstep, Price, Submission, even_lanes
 from .memory import check_memory
 from .model import LlamaModel
 
@@ -781,9 +781,9 @@ class _SharedContext:
         self.owner, self.leads = owner, leads
         self._hidden_on = owner.options.embeddings
         self._views: dict[tuple[int, int, int], np.ndarray] = {}  # see _buffer_rows
-        # a batch's price by its tokens (EnginePool sets the measured one): uneven chains of up to pad_max tokens
-        # are padded to one length where that costs less (lockstep.even_lanes); None: batches run as submitted
-        self.batch_seconds: Callable[[int], float] | None = None
+        # a micro-batch's price by its shape (EnginePool sets the measured one): uneven chains of up to pad_max
+        # tokens are padded to one length where that costs less (lockstep.even_lanes); None: batches run as submitted
+        self.price: Price | None = None
         self.pad_max = 0
 
     def run(self, subs: list[Submission]) -> tuple[int, ...] | None:
@@ -847,15 +847,15 @@ class _SharedContext:
     def _padded_lanes(self, subs: list[Submission]) -> tuple[int, ...] | None:
         """The tokens each sequence runs, pads included, where padding makes the batch cheaper (subs sorted by
         sequence; an idle sequence below the last one may be padded too); None: no pads. A slot is one sequence of
-        this context (EnginePool sets batch_seconds only so)."""
+        this context (EnginePool sets price only so)."""
         seqs = {s.seq_ids[0][0] for s in subs}
         one_each = len(seqs) == len(subs) and all(len(ids) == 1 for s in subs for ids in s.seq_ids)  # chains, no trees
-        if self.batch_seconds is None or len(seqs) < 2 or not one_each:
+        if self.price is None or len(seqs) < 2 or not one_each:
             return None
         lanes = [0] * (1 + subs[-1].seq_ids[0][0])
         for s in subs:
             lanes[s.seq_ids[0][0]] += len(s.tokens)
-        even = even_lanes(lanes, self.batch_seconds, self.pad_max)
+        even = even_lanes(lanes, self.price, self.pad_max)
         return None if even == tuple(lanes) else even
 
 

@@ -178,12 +178,20 @@ def micro_batches(lanes: Sequence[int]) -> list[int]:
     consecutive ids, starting at the lowest with tokens left (llama_batch_allocr::split_equal, sequential). So
     chains of unequal lengths take several passes: 1 + 1 + 4 tokens of sequences 0, 1, 2 run as 3 tokens, then 3.
     (llama.cpp also caps each at n_ubatch tokens: prefill chunks; verification chains stay far below it.)"""
-    return list(_micro_batches(tuple(lanes)))
+    return [seqs * each for seqs, each in _micro_shapes(tuple(lanes))]
 
 
-def even_lanes(lanes: Sequence[int], seconds: Callable[[int], float], longest: int) -> tuple[int, ...]:
+def micro_shapes(lanes: Sequence[int]) -> list[tuple[int, int]]:
+    """micro_batches' passes as (sequences, tokens of each): their price depends on both (CostModel.micro_seconds)."""
+    return list(_micro_shapes(tuple(lanes)))
+
+
+Price = Callable[[int, int], float]  # seconds for a micro-batch of `each` tokens in each of `seqs` sequences
+
+
+def even_lanes(lanes: Sequence[int], seconds: Price, longest: int) -> tuple[int, ...]:
     """`lanes` with the shorter ones padded up to a common length of at most `longest` (a step's chain), the idle
-    sequences among them (0) too or not, where that costs less by `seconds` (a batch's price by its tokens) than
+    sequences among them (0) too or not, where that costs less by `seconds` (a micro-batch's price by its shape) than
     the micro-batches of the lanes as they are; else as they are. Eight slots' 2-token chains with two plain steps
     among them ran in 4 micro-batches (7 decodes on the AMX Xeon), padded in one of 16 tokens (3.9); four slots'
     plain steps with idle slots between them, (1, 1, 0, 0, 0, 1, 1), ran in two passes, 509 ms a tick, where 8
@@ -194,34 +202,34 @@ def even_lanes(lanes: Sequence[int], seconds: Callable[[int], float], longest: i
     return _cheapest(lanes, seconds, longest)[0]
 
 
-def padded_seconds(lanes: Sequence[int], seconds: Callable[[int], float], longest: int) -> float:
+def padded_seconds(lanes: Sequence[int], seconds: Price, longest: int) -> float:
     """What the batch of `lanes` costs by `seconds`, padded as even_lanes pads it."""
     return _cheapest(lanes, seconds, longest)[1]
 
 
-def _cheapest(lanes: Sequence[int], seconds: Callable[[int], float], longest: int) -> tuple[tuple[int, ...], float]:
-    best, cheapest = tuple(lanes), sum(map(seconds, micro_batches(lanes)))
+def _cheapest(lanes: Sequence[int], seconds: Price, longest: int) -> tuple[tuple[int, ...], float]:
+    best, cheapest = tuple(lanes), sum(seconds(*shape) for shape in _micro_shapes(tuple(lanes)))
     steps = max(lanes, default=0) <= longest  # no prompt's chunk: idle sequences may be padded too
     for m in sorted({n for n in lanes if 0 < n <= longest}):
         busy = tuple(max(n, m) if n else 0 for n in lanes)
         for padded in (busy, tuple(max(n, m) for n in lanes)) if steps else (busy,):
-            price = sum(map(seconds, micro_batches(padded)))
+            price = sum(seconds(*shape) for shape in _micro_shapes(padded))
             if price < cheapest:
                 best, cheapest = padded, price
     return best, cheapest
 
 
 @lru_cache(maxsize=4096)  # `auto` prices every draft length against the same lanes each step
-def _micro_batches(lanes: tuple[int, ...]) -> tuple[int, ...]:
-    left, sizes = list(lanes), []
+def _micro_shapes(lanes: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    left, shapes = list(lanes), []
     while True:
         first = next((i for i, n in enumerate(left) if n), None)
         if first is None:
-            return tuple(sizes)
+            return tuple(shapes)
         end = first
         while end < len(left) and left[end]:
             end += 1
         m = min(left[first:end])
         for i in range(first, end):
             left[i] -= m
-        sizes.append(m * (end - first))
+        shapes.append((end - first, m))

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from copy import copy
 
-from .lockstep import micro_batches
+from .lockstep import micro_shapes
 from .policy import Policy, Timing
 from .proposers import NO_DRAFT, Context, Counters, Proposer
 from .verifier import Verdict, Verifier
@@ -47,8 +47,9 @@ def _timing(verdict: Verdict, after: Counters | None, before: Counters | None) -
     """What a step cost: the verifier's pass (the whole batch it rode in: its seconds are that batch's), and the
     proposer's work between its counters before and after."""
     batch = max(verdict.shared, verdict.batch)
-    passes = len(micro_batches(verdict.lanes)) if verdict.lanes else 1  # a context of its own: one pass
+    shapes = micro_shapes(verdict.lanes) if verdict.lanes else [(1, batch)]  # a context of its own: one pass
+    passes, seqs = len(shapes), shapes[0][0] if shapes else 1
     if after is None or before is None:
-        return Timing(verdict.seconds, batch, verify_passes=passes)
+        return Timing(verdict.seconds, batch, verify_passes=passes, verify_seqs=seqs)
     return Timing(verdict.seconds, batch, after.seconds - before.seconds, after.decodes - before.decodes,
-                  after.decoded - before.decoded, passes, after.batched - before.batched)
+                  after.decoded - before.decoded, passes, after.batched - before.batched, seqs)

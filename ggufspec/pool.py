@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
-from .costs import LONG_BATCHES, CostModel, cached_measure
+from .costs import LONG_BATCHES, CostModel, cached_measure, measure_together
 from .decoder import DecoderOptions, LlamaCppDecoder, common_prefix
 from .engine import GenerationResponse, GenerationSettings, Prompt, SpeculativeEngine
 from .errors import GGUFSpecError
@@ -24,6 +24,7 @@ from .proposers import AnswerPool
 
 T = TypeVar("T")
 MAX_SLOTS = 256  # llama.cpp's LLAMA_MAX_SEQ: a slot is a KV sequence
+SLOT_WIDTHS = (1, 2, 3)  # a plain step of every slot, and every slot verifying 1 or 2 drafts (follow pricing)
 
 
 @dataclass
@@ -111,10 +112,14 @@ class EnginePool:
             # and the draft model's batch of every slot's draft token (SharedBatch prices following slots so)
             costs = cached_measure(targets[0], drafts[0], settings.draft_max, sizes,
                                    [parallel] if parallel > 1 else [])
+            if parallel > 1:  # and as the slots run them: 1 to 3 tokens of every slot, a draft token of every slot
+                costs = replace(costs, slots=parallel, slot_verify=measure_together(lockstep, targets, SLOT_WIDTHS))
+                if drafts[0] is not None and costs.draft_sizes == [parallel]:
+                    costs.draft_batches = measure_together(lockstep, drafts, (1,))
             for e in engines:
                 e.costs = costs
         if parallel > 1:  # the target's uneven chains are padded to one length where that costs less
-            targets[0]._runner.batch_seconds = costs.batch_seconds
+            targets[0]._runner.price = costs.micro_seconds
             targets[0]._runner.pad_max = settings.draft_max + 1
         return cls([Slot(i, e) for i, e in enumerate(engines)], lockstep)
 

@@ -11,7 +11,7 @@ import pytest
 
 import ggufspec.costs as costs_module
 from ggufspec.costs import ContextCosts, CostModel, SharedBatch, measure
-from ggufspec.lockstep import even_lanes, micro_batches
+from ggufspec.lockstep import even_lanes, micro_batches, micro_shapes
 from ggufspec.policy import PLAIN, Plan, Timing
 from ggufspec.policy.adaptive import MIN_GAIN, PHRASE_MATCH, PROBE_EVERY, PROBE_GAIN, AdaptiveLength
 from ggufspec.policy.auto import AutoPolicy
@@ -278,14 +278,14 @@ XEON_POOL = CostModel([0.0856, 0.1301, 0.1721, 0.1190, 0.1584], 0.0103, [8, 16, 
 
 def test_uneven_chains_are_padded_to_one_length_where_one_micro_batch_costs_less() -> None:
     # two plain steps among 2-token chains: 4 micro-batches (8, 1, 2, 3 tokens), or one of 16 padded
-    assert even_lanes([2, 1, 2, 2, 1, 2, 2, 2], XEON_POOL.batch_seconds, 5) == (2,) * 8
+    assert even_lanes([2, 1, 2, 2, 1, 2, 2, 2], XEON_POOL.micro_seconds, 5) == (2,) * 8
     # one 5-token chain beside plain steps: padding every slot to 5 tokens (40) costs more than a pass of 4
-    assert even_lanes([1] * 7 + [5], XEON_POOL.batch_seconds, 5) == (1,) * 7 + (5,)
+    assert even_lanes([1] * 7 + [5], XEON_POOL.micro_seconds, 5) == (1,) * 7 + (5,)
     # an idle slot between busy ones splits their pass in two: padded where one pass of all costs less
-    assert even_lanes([1, 1, 0, 0, 0, 1, 1], XEON_POOL.batch_seconds, 5) == (1,) * 7
-    assert even_lanes([2, 1, 0, 2], XEON_POOL.batch_seconds, 5) == (2, 2, 0, 2)  # 4 + 2 tokens: cheaper than 8
-    assert even_lanes([128, 100, 1], XEON_POOL.batch_seconds, 5) == (128, 100, 1)  # prompt chunks: not padded
-    assert even_lanes([1, 0, 128], XEON_POOL.batch_seconds, 5) == (1, 0, 128)  # nor idle slots beside them
+    assert even_lanes([1, 1, 0, 0, 0, 1, 1], XEON_POOL.micro_seconds, 5) == (1,) * 7
+    assert even_lanes([2, 1, 0, 2], XEON_POOL.micro_seconds, 5) == (2, 2, 0, 2)  # 4 + 2 tokens: cheaper than 8
+    assert even_lanes([128, 100, 1], XEON_POOL.micro_seconds, 5) == (128, 100, 1)  # prompt chunks: not padded
+    assert even_lanes([1, 0, 128], XEON_POOL.micro_seconds, 5) == (1, 0, 128)  # nor idle slots beside them
     # priced as it runs: a slot's draft that evens the others' chains costs less than its plain step beside them
     chains = SharedBatch(XEON_POOL, [2, 1, 2, 2, 2, 2, 2, 2], lane=1)
     assert chains.step_seconds(1) == pytest.approx(XEON_POOL.batch_seconds(16) + XEON_POOL.draft)
@@ -361,6 +361,24 @@ def test_following_slots_price_their_drafts_as_one_draft_batch_of_every_slot() -
     alone = pool.copy()
     alone.observe(2, 0.0, 1, 0.02)  # one slot's draft token: as before, toward the time seen
     assert alone.draft == pytest.approx(pool.draft + 0.2 * (0.02 - pool.draft))
+
+
+def test_a_pool_s_steps_are_priced_by_their_shape_as_measured_together() -> None:
+    """llama.cpp computes 8 sequences' tokens with other kernels than one sequence's 8 (on the AMX Xeon 232 ms
+    against 353): a micro-batch of every slot's 1 to 3 tokens is priced as measured together, any other by its
+    tokens; a tick teaches only the slots' shape it ran as."""
+    assert micro_shapes([1, 1, 4]) == [(3, 1), (1, 3)] and micro_shapes([2, 0, 2]) == [(1, 2), (1, 2)]
+    pool = replace(XEON_POOL, slots=8, slot_verify=[0.232, 0.372, 0.50])
+    assert pool.micro_seconds(8, 1) == 0.232 and pool.micro_seconds(8, 2) == 0.372
+    assert pool.micro_seconds(8, 4) == pool.batch_seconds(32) and pool.micro_seconds(1, 8) == pool.batch_seconds(8)
+    assert pool.micro_seconds(7, 1) == pool.batch_seconds(7)  # fewer slots: not measured, priced by its tokens
+    assert SharedBatch(pool, [1] * 8, lane=0, follow=True).step_seconds(1) == pytest.approx(0.372 + pool.draft)
+    learned = pool.copy()
+    learned.observe(16, 0.40, 0, 0.0, verify_seqs=8)
+    assert learned.slot_verify[1] > 0.372 and learned.long_verify == pool.long_verify and learned.verify == pool.verify
+    learned = pool.copy()
+    learned.observe(7, 0.40, 0, 0.0, verify_seqs=7)  # 7 slots' tokens: no measured shape
+    assert learned == pool
 
 
 def test_a_lookup_guess_is_priced_beside_the_others_next_steps_not_their_last_chains() -> None:

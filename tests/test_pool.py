@@ -3,6 +3,7 @@ shares its batches."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -12,6 +13,8 @@ import numpy as np
 import pytest
 
 from conftest import FixedCosts
+import ggufspec.costs as costs_module
+from ggufspec.costs import costs_path, measure, measure_together
 from ggufspec.decoder import DecoderOptions, LlamaCppDecoder
 from ggufspec.engine import GenerationSettings, SpeculativeEngine
 from ggufspec.errors import GGUFSpecError
@@ -243,7 +246,7 @@ def _pads_beside_a_chain(tiny_target, price) -> tuple[tuple[int, ...], int, np.n
     lanes, b's last cached position, and b's last logits."""
     lockstep = Lockstep()
     ta, tb = LlamaCppDecoder.slots(tiny_target, DecoderOptions(n_ctx=512), 2, lockstep)
-    ta._runner.batch_seconds, ta._runner.pad_max = price, 3
+    ta._runner.price, ta._runner.pad_max = price, 3
     for d in (ta, tb):
         d.sync(list(range(10, 18)))
     out = {}
@@ -281,7 +284,7 @@ def test_a_shorter_chain_is_padded_into_one_micro_batch_and_its_pads_leave_no_tr
     """Where a pass costs the same whatever its size, slot b's one token is padded to a's 3 (one micro-batch, not
     two); the pads' cells are removed, so b's next token sits where it would and gets the same logits (to 1e-4: a
     pass of another size may take other kernels)."""
-    padded = _pads_beside_a_chain(tiny_target, lambda n: 1.0)
+    padded = _pads_beside_a_chain(tiny_target, lambda seqs, each: 1.0)
     plain = _pads_beside_a_chain(tiny_target, None)
     assert padded[0] == (3, 3) and plain[0] == (3, 1)
     assert padded[1] == plain[1] == 9  # 8 tokens, 4, 5: no pad left behind
@@ -293,7 +296,7 @@ def _steps_beside_an_idle_slot(tiny_target, price) -> tuple[tuple[int, ...], tup
     b decodes a token: the batch's lanes, b's cached positions after it, c's logits and b's next logits."""
     lockstep = Lockstep()
     ta, tb, tc = LlamaCppDecoder.slots(tiny_target, DecoderOptions(n_ctx=768), 3, lockstep)
-    ta._runner.batch_seconds, ta._runner.pad_max = price, 3
+    ta._runner.price, ta._runner.pad_max = price, 3
     for d in (ta, tb, tc):
         d.sync(list(range(10, 18)))
     out = {}
@@ -314,12 +317,37 @@ def test_an_idle_slot_between_busy_ones_is_padded_into_their_pass_and_keeps_its_
     """Where a pass costs the same whatever its size, slots 0 and 2's tokens run in one micro-batch with a pad in
     idle slot 1 (llama.cpp would split them into two: a gap breaks the run of consecutive sequences); the pad's cell
     is removed, so slot 1's cache holds its prompt only and its next token gets the same logits (to 1e-4)."""
-    padded = _steps_beside_an_idle_slot(tiny_target, lambda n: 1.0)
+    padded = _steps_beside_an_idle_slot(tiny_target, lambda seqs, each: 1.0)
     plain = _steps_beside_an_idle_slot(tiny_target, None)
     assert padded[0] == (1, 1, 1) and plain[0] == (1, 0, 1)
     assert padded[1] == plain[1] == (0, 7)
     np.testing.assert_allclose(padded[2], plain[2], rtol=0, atol=1e-4)
     np.testing.assert_allclose(padded[3], plain[3], rtol=0, atol=1e-4)
+
+
+def test_a_pool_times_its_slots_batches_as_they_run_together(tiny_target, tiny_draft, tmp_path, monkeypatch) -> None:
+    """measure() times one sequence's tokens; a pool's steps run one token (or chain) in each slot's sequence, which
+    llama.cpp computes with other kernels: those batches are timed as one tick of every slot's, and leave no trace."""
+    lockstep = Lockstep()
+    views = LlamaCppDecoder.slots(tiny_target, DecoderOptions(n_ctx=768), 3, lockstep)
+    before = views[0].n_decodes
+    seconds = measure_together(lockstep, views, (1, 2), repeats=2)
+    assert len(seconds) == 2 and all(s > 0 for s in seconds)
+    assert views[0].n_decodes - before == 1 + 2 * 2  # its context, then each width twice
+    assert views[0].lanes == (2, 2, 2)  # the last one: every slot's 2 tokens in one batch
+    assert [v.kv_positions() for v in views] == [(-1, -1)] * 3
+    for v in views:
+        v.close()
+    monkeypatch.setenv("GGUFSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(costs_module, "measure", lambda *a, **kw: (measure(*a, **kw)[0], 1.0))  # cached however noisy
+    with EnginePool.load(tiny_target, tiny_draft, DecoderOptions(n_ctx=8 * 256), parallel=8) as pool:
+        costs = pool.engine.costs
+        assert {8, 16} <= set(costs.long_sizes) and costs.draft_sizes == [8] and len(costs.draft_batches) == 1
+        assert all(s.engine.costs is costs for s in pool.slots)
+        assert costs.slots == 8 and len(costs.slot_verify) == 3 and all(s > 0 for s in costs.slot_verify)
+    [cached] = json.loads(costs_path().read_text()).values()  # one sequence's, as measure() times them
+    assert cached["slots"] == 0 and cached["slot_verify"] == [] and cached["long_verify"] == costs.long_verify
+    assert cached["draft_batches"] != costs.draft_batches  # 8 slots' draft tokens, timed together
 
 
 def test_slots_refuse_what_a_shared_context_cannot_do(tiny_target) -> None:

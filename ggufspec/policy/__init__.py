@@ -40,6 +40,7 @@ class Timing:
     draft_tokens: int = 0
     verify_passes: int = 1  # the micro-batches a shared batch ran in: its seconds price one batch only when 1
     draft_batched: int = 0  # the tokens of the whole draft batches (other slots' too, in a pool)
+    verify_seqs: int = 1  # the sequences whose tokens the target's pass ran (with verify_passes 1)
 
 
 class Policy(Protocol):

@@ -103,7 +103,8 @@ class AdaptiveLength:
             steps = decodes if tokens <= decodes + 1 else 0
             verify_s = t.verify_seconds if t.verify_passes == 1 else 0.0  # several passes' time is no batch's price
             width = round(t.draft_batched / decodes) if steps and t.draft_batched else 1  # slots drafting at once
-            c.observe(t.verify_tokens or drafted + 1, verify_s, steps, draft_s, draft_width=width)
+            c.observe(t.verify_tokens or drafted + 1, verify_s, steps, draft_s, draft_width=width,
+                      verify_seqs=t.verify_seqs)
         if self._probing:  # back off unless the probe itself beat plain steps
             paid = (accepted + 1) * c.verify[0] >= spent
             self.probe_every = PROBE_EVERY if paid else min(2 * self.probe_every, PROBE_EVERY_MAX)
