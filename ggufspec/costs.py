@@ -69,12 +69,15 @@ class CostModel:
         return _between(sizes, secs, n)
 
     def micro_seconds(self, seqs: int, each: int) -> float:
-        """Seconds for a micro-batch of `each` tokens in each of `seqs` sequences (lockstep.micro_shapes): the
-        pool's steps as measured together, else priced by its tokens. llama.cpp computes several sequences' tokens
-        with other kernels than one sequence's as many (on the AMX Xeon 8 slots' tokens took 232 ms, one
-        sequence's 8 353)."""
-        if seqs > 1 and seqs == self.slots and each <= len(self.slot_verify):
-            return self.slot_verify[each - 1]
+        """Seconds for a micro-batch of `each` tokens in each of `seqs` sequences (lockstep.micro_shapes): for a
+        pool's steps, between one sequence's `each` tokens and every slot's, as measured together, interpolated by
+        the sequences; else priced by its tokens. llama.cpp computes several sequences' tokens with other kernels
+        than one sequence's as many (on the AMX Xeon 8 slots' tokens took 232 ms, one sequence's 8 353; 5 slots'
+        2 tokens and 2 slots' 2, two passes, took 458 to 517 ms where every slot's 2 took 370, and priced as one
+        sequence's 10 and 4 tokens they were not padded into one pass: docs/benchmarks-parallel.md, run 10)."""
+        if 1 < seqs <= self.slots and each <= len(self.slot_verify):
+            every, one = self.slot_verify[each - 1], self.batch_seconds(each)
+            return every if seqs == self.slots else one + (every - one) * (seqs - 1) / (self.slots - 1)
         return self.batch_seconds(seqs * each)
 
     def draft_seconds(self, n: int) -> float:
@@ -206,6 +209,8 @@ class SharedBatch(CostModel):
     draft = property(lambda self: self.base.draft)
     long_sizes = property(lambda self: self.base.long_sizes)
     long_verify = property(lambda self: self.base.long_verify)
+    draft_sizes = property(lambda self: self.base.draft_sizes)
+    draft_batches = property(lambda self: self.base.draft_batches)
     slots = property(lambda self: self.base.slots)
     slot_verify = property(lambda self: self.base.slot_verify)
 

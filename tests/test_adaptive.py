@@ -365,13 +365,15 @@ def test_following_slots_price_their_drafts_as_one_draft_batch_of_every_slot() -
 
 def test_a_pool_s_steps_are_priced_by_their_shape_as_measured_together() -> None:
     """llama.cpp computes 8 sequences' tokens with other kernels than one sequence's 8 (on the AMX Xeon 232 ms
-    against 353): a micro-batch of every slot's 1 to 3 tokens is priced as measured together, any other by its
-    tokens; a tick teaches only the slots' shape it ran as."""
+    against 353): a micro-batch of every slot's 1 to 3 tokens is priced as measured together, of fewer slots'
+    between that and one sequence's, any other by its tokens; a tick teaches only the slots' shape it ran as."""
     assert micro_shapes([1, 1, 4]) == [(3, 1), (1, 3)] and micro_shapes([2, 0, 2]) == [(1, 2), (1, 2)]
     pool = replace(XEON_POOL, slots=8, slot_verify=[0.232, 0.372, 0.50])
     assert pool.micro_seconds(8, 1) == 0.232 and pool.micro_seconds(8, 2) == 0.372
     assert pool.micro_seconds(8, 4) == pool.batch_seconds(32) and pool.micro_seconds(1, 8) == pool.batch_seconds(8)
-    assert pool.micro_seconds(7, 1) == pool.batch_seconds(7)  # fewer slots: not measured, priced by its tokens
+    # fewer slots' tokens: between one sequence's and every slot's, by the sequences
+    assert pool.micro_seconds(5, 2) == pytest.approx(pool.verify[1] + (0.372 - pool.verify[1]) * 4 / 7)
+    assert even_lanes([2, 2, 2, 2, 2, 0, 2, 2], pool.micro_seconds, 5) == (2,) * 8  # one pass, not two
     assert SharedBatch(pool, [1] * 8, lane=0, follow=True).step_seconds(1) == pytest.approx(0.372 + pool.draft)
     learned = pool.copy()
     learned.observe(16, 0.40, 0, 0.0, verify_seqs=8)
