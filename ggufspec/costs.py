@@ -222,7 +222,7 @@ class SharedBatch(CostModel):
             price = self.base.micro_seconds
             longest = len(self.base.verify)  # a step's chain: as the pool pads (draft_max + 1)
             # following, each draft position is one draft batch of every slot's token: priced as one token, 8
-            # slots' drafts were taken for a seventh of their cost, and all drafted where none paid
+            # slots' drafts were taken for a quarter of their cost, and all drafted where none paid
             # (docs/benchmarks-parallel.md, run 10)
             draft = self.base.draft_seconds(self.busy) if self.follow else self.draft
             seconds = k * (0.0 if free else draft) + padded_seconds(lanes, price, longest)
@@ -305,35 +305,43 @@ def measure_together(lockstep: Lockstep, views: Sequence[LlamaCppDecoder], width
     """Seconds for one batch of w tokens in each of `views`' sequences (slots of one shared context: the shape a
     pool's steps run in), for each w in `widths`, the fastest of `repeats`, after a short context; resets them.
     measure() times one sequence's tokens, which llama.cpp runs in other kernels: on the AMX Xeon 8 slots' tokens
-    took 297 ms, one sequence's 8 353, and 8 slots' 2-token chains 1.6 times their plain steps where one sequence's
-    16 tokens took 1.4 times its 8 (docs/benchmarks-parallel.md, run 10). Each view feeds from a thread of its own
-    (a member of `lockstep`), so their decodes meet in one tick, on the lockstep's decode thread."""
+    took 232 ms timed so, one sequence's 8 353, and 8 slots' 2-token chains 1.6 times their plain steps where one
+    sequence's 16 tokens took 1.4 times its 8 (docs/benchmarks-parallel.md, run 10). Each view feeds from a thread
+    of its own (a member of `lockstep`), so their decodes meet in one tick, on the lockstep's decode thread. A
+    view's error is raised here, once every thread has stopped."""
     ctx = list(range(100, 132))
     times: dict[int, list[float]] = {w: [] for w in widths}
     together = threading.Barrier(len(views))
+    errors: list[BaseException] = []
 
     def slot(v: LlamaCppDecoder) -> None:
         # a member waiting at the barrier would hold back a tick another thread waits on: each waits only where no
         # thread has a decode pending (and each feed's tick has every member's)
-        v.sync(ctx)
-        together.wait()
-        with lockstep.member():
+        try:
+            v.sync(ctx)
             together.wait()
-            for _ in range(repeats):
-                for w in widths:
-                    before = v.decode_seconds
-                    v.feed(list(range(200, 200 + w)))
-                    if v is views[0]:
-                        times[w].append(v.decode_seconds - before)  # the whole batch's seconds
-                    v.rollback_to(len(ctx))
-                    together.wait()
-        v.rollback_to(0)
+            with lockstep.member():
+                together.wait()
+                for _ in range(repeats):
+                    for w in widths:
+                        before = v.decode_seconds
+                        v.feed(list(range(200, 200 + w)))
+                        if v is views[0]:
+                            times[w].append(v.decode_seconds - before)  # the whole batch's seconds
+                        v.rollback_to(len(ctx))
+                        together.wait()
+            v.rollback_to(0)
+        except BaseException as e:  # the others stop at the barrier (BrokenBarrierError) rather than wait for ever
+            errors.append(e)
+            together.abort()
 
     threads = [threading.Thread(target=slot, args=(v,)) for v in views]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    if errors:
+        raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
     return [min(times[w]) for w in widths]
 
 

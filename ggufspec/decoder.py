@@ -794,10 +794,12 @@ class _SharedContext:
         ran = self._padded_lanes(subs)
         tokens, positions, seq_ids, outputs = [], [], [], []
         padded: list[tuple[int, int]] = []  # (sequence, its first pad's position)
+        # in sequence order, as llama.cpp takes consecutive sequences into one micro-batch; padded, every sequence up
+        # to the last one's (an idle one's submission None)
         by_seq = {s.seq_ids[0][0]: s for s in subs}
-        # in sequence order, as llama.cpp takes consecutive sequences into one micro-batch
-        for seq in range(len(ran)) if ran is not None else by_seq:
-            s = by_seq.get(seq)
+        order = [(seq, by_seq.get(seq)) for seq in range(len(ran))] if ran is not None else [
+            (s.seq_ids[0][0], s) for s in subs]
+        for seq, s in order:
             if s is not None:
                 tokens += s.tokens
                 positions += s.positions

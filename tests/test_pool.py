@@ -338,6 +338,11 @@ def test_a_pool_times_its_slots_batches_as_they_run_together(tiny_target, tiny_d
     assert [v.kv_positions() for v in views] == [(-1, -1)] * 3
     for v in views:
         v.close()
+    small = LlamaCppDecoder.slots(tiny_target, DecoderOptions(n_ctx=3 * 16), 3, lockstep)  # 16 tokens a slot
+    with pytest.raises(Exception, match="do not fit"):  # the views' error, not a hang at the barrier
+        measure_together(lockstep, small, (1,))
+    for v in small:
+        v.close()
     monkeypatch.setenv("GGUFSPEC_CACHE", str(tmp_path))
     monkeypatch.setattr(costs_module, "measure", lambda *a, **kw: (measure(*a, **kw)[0], 1.0))  # cached however noisy
     with EnginePool.load(tiny_target, tiny_draft, DecoderOptions(n_ctx=8 * 256), parallel=8) as pool:
