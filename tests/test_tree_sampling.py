@@ -128,7 +128,8 @@ class MemoDecoder:
     """A real llama.cpp decoder whose logits are computed once per history (or tree) and then replayed, so that
     20,000 draws through the real drafter and walk take seconds: the numbers are llama.cpp's."""
 
-    decode_seconds, n_decodes, n_decoded_tokens = 0.0, 0, 0  # the proposer's counters read them: nothing is timed
+    # the proposer's counters read them: nothing is timed
+    decode_seconds, n_decodes, n_decoded_tokens, n_batched_tokens = 0.0, 0, 0, 0
 
     def __init__(self, decoder) -> None:
         self.d, self.n_vocab, self.history, self._memo = decoder, decoder.n_vocab, [], {}
