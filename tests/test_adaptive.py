@@ -35,10 +35,11 @@ def begin(policy: AutoPolicy, lookup: LookupProposer, model: DraftModelProposer 
 
 
 def step(policy: AutoPolicy, proposers: dict[str, Proposer], context: list[int], k: int,
-         deferred: int = 0) -> tuple[Plan, Draft]:
-    """One step of up to k draft tokens after `context`: the policy plans, the proposer it names proposes."""
+         deferred: int = 0, room: int | None = None) -> tuple[Plan, Draft]:
+    """One step of up to k draft tokens after `context`: the policy plans, the proposer it names proposes. `room`:
+    the tokens the generation may still commit (k + 1 unless given, which caps the step at k drafts)."""
     ctx = Context(list(context))
-    plan = policy.plan(ctx, room=k + 1, deferred=deferred)
+    plan = policy.plan(ctx, room=k + 1 if room is None else room, deferred=deferred)
     return plan, proposers[plan.source].propose(ctx, plan.k) if plan.source else NO_DRAFT
 
 
@@ -495,7 +496,7 @@ def test_lookup_gives_way_to_a_better_draft_model(tiny_draft) -> None:
             proposers = begin(auto, LookupProposer(d.n_vocab), DraftModelProposer(d, d.n_vocab, greedy, rng))
             auto.model_length.acceptance = list(model_kept)
             auto.lookup_length.acceptance = list(kept)
-            plan, draft = step(auto, proposers, repeat, 3)
+            plan, draft = step(auto, proposers, repeat, 3, room=100)  # room to win the draft's catch-up back
             record = auto.lookup_length if source == "lookup" else auto.model_length
             assert plan.source == source and auto.source is record
             assert (draft.tokens == [5, 6, 7]) == (source == "lookup")
@@ -680,18 +681,25 @@ def test_each_context_size_learns_its_own_costs() -> None:
 
 
 def test_the_draft_model_is_not_started_where_its_catch_up_cannot_pay(tiny_draft) -> None:
-    """After a long prompt the draft was not prefilled for, its catch-up costs more than drafting can win back."""
+    """The draft model catches up on the context it has not seen only where its expected gain wins that back on the
+    tokens left (at most CATCH_UP_HORIZON): not after a long prompt it was not prefilled for, nor near the end of an
+    answer, nor for a small gain (three slots drafting at 1.05 first caught up on 450 tokens, a 1.2 s tick)."""
     greedy, rng = SamplingParams(), np.random.default_rng(0)
     fast = CostModel([0.082, 0.138, 0.194, 0.131], 0.012)  # where the draft model pays
     with open_decoder(tiny_draft) as d:
         auto = AutoPolicy(fast, 3, model=True)
         proposers = begin(auto, LookupProposer(d.n_vocab), DraftModelProposer(d, d.n_vocab, greedy, rng))
+        auto.model_length.acceptance = [0.8] * 3  # 1.45 times plain steps' rate: 25 ms saved a token
+        long_prompt = list(range(10, 310))  # 300 unseen tokens at 12 ms > 128 tokens x 25 ms
+        for context, room, kept in ((long_prompt, 500, 0.8), (long_prompt[:40], 10, 0.8),
+                                    (long_prompt[:80], 500, 0.6)):  # 0.6: 1.07 times, 5 ms a token
+            auto.model_length.acceptance = [kept] * 3
+            assert auto.model_length.planned() == 3  # drafting would pay, but for the catch-up
+            plan, draft = step(auto, proposers, context, 3, room=room)
+            assert plan == PLAIN and draft == Draft([]) and d.n_decodes == 0
+            judge(auto, plan, draft, 0)
         auto.model_length.acceptance = [0.8] * 3
-        long_prompt = list(range(10, 310))  # 300 unseen tokens at 12 ms > 16 plain steps at 82 ms
-        plan, draft = step(auto, proposers, long_prompt, 3)
-        assert plan == PLAIN and draft == Draft([]) and d.n_decodes == 0
-        judge(auto, plan, draft, 0)
-        plan, draft = step(auto, proposers, long_prompt[:40], 3)  # 40 tokens: worth catching up on
+        plan, draft = step(auto, proposers, long_prompt[:80], 3, room=500)  # 80 tokens: worth catching up on
         assert plan == Plan("draft", 3) and len(draft.tokens) == 3
         assert auto.source is auto.model_length and d.n_decodes > 0
 

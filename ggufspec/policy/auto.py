@@ -9,8 +9,12 @@ from ..proposers import Context, Draft, Proposer
 from ..proposers.lookup import LONG_MATCH
 from ..verifier import Verdict
 from . import PLAIN, Plan, Timing, check_tree, observe_tree
-from .adaptive import COPY_PRIOR, PHRASE_MATCH, AdaptiveLength
+from .adaptive import COPY_PRIOR, PHRASE_MATCH, PROBE_EVERY_MAX, AdaptiveLength
 from .tree_sizer import TreeSizer
+
+# The most tokens over which the draft model's catching up is expected to pay back (AutoPolicy._catch_up_pays): an
+# estimate near break-even may turn drafting off again within as many steps, and the next start catches up again
+CATCH_UP_HORIZON = PROBE_EVERY_MAX
 
 
 class AutoPolicy:
@@ -110,7 +114,7 @@ class AutoPolicy:
         if self.sizer is not None and context.hidden is not None:
             nodes = self.sizer.plan(max_depth=room - 1)
         # deferred tokens ride in front of the batch: it stays within the measured sizes
-        plan = self._chain(context.tokens, max(0, min(self.k_cap - deferred, room - 1)), deferred)
+        plan = self._chain(context.tokens, max(0, min(self.k_cap - deferred, room - 1)), deferred, room)
         if self.sizer is None:
             return plan
         # against a plain step lookup's own choice stands (a probe's too); against a tree, gains over a plain step:
@@ -123,8 +127,9 @@ class AutoPolicy:
             return Plan("medusa", nodes=nodes)
         return PLAIN
 
-    def _chain(self, context: list[int], k: int, deferred: int) -> Plan:
-        """Lookup's guess, the draft model's chain (or tree), or nothing; `source` is the record that chose."""
+    def _chain(self, context: list[int], k: int, deferred: int, room: int) -> Plan:
+        """Lookup's guess, the draft model's chain (or tree), or nothing; `source` is the record that chose; `room`:
+        the tokens this generation may still commit."""
         self.source = self._proposed = None
         if k <= 0:
             return PLAIN
@@ -141,7 +146,7 @@ class AutoPolicy:
             return Plan("lookup", n)
         if guess:
             self._unverified.append(judged_later)
-        if self.model_length is not None and self._catch_up_pays(context):
+        if self.model_length is not None and self._catch_up_pays(context, room):
             self.source = self.model_length
             n = min(self.model_length.choose(), k, self.k_max - deferred)
             if n:
@@ -186,12 +191,23 @@ class AutoPolicy:
                 pending.append((record, at, tokens))
         self._unverified = pending
 
-    def _catch_up_pays(self, context: list[int]) -> bool:
-        """The draft model is not started where catching up on the context it has not seen would cost more than the
-        plain steps between two probes (charged at a draft step a token, an upper bound): after a long prompt it
-        was not prefilled for, a catch-up costs more than those steps can win back (docs/methods.md)."""
+    def _catch_up_pays(self, context: list[int], room: int) -> bool:
+        """The draft model is not started where catching up on the context it has not seen (charged at a draft step a
+        token, an upper bound) would cost more than drafting can win back: the time its expected gain saves on the
+        tokens left (`room`, at most CATCH_UP_HORIZON), or for a probe, the plain steps between two probes. After a
+        long prompt the draft was not prefilled for, a catch-up cost more than those steps could win back; in a
+        busy pool, three slots drafting at a gain of 1.05 first caught up on 450 tokens, a 1.2 s tick every slot
+        waited on (docs/methods.md; docs/benchmarks-parallel.md, run 12)."""
         m = self.model_length
-        return self.model.unseen(context) * m.costs.draft <= m.probe_every * m.costs.verify[0]
+        cost = self.model.unseen(context) * m.costs.draft
+        if not cost:
+            return True
+        k = m.planned()
+        if not k:  # a probe, if any
+            return cost <= m.probe_every * m.costs.verify[0]
+        rate = m.costs.expected_rate  # tokens a second: the whole batch's, where other slots share it
+        saved = min(room, CATCH_UP_HORIZON) * (1 / rate(0, 0) - 1 / rate(k, m.acceptance))
+        return cost <= saved
 
     def _model_beats_lookup(self, n: int, length: AdaptiveLength) -> bool:
         """While the draft model drafts, lookup is not free: the draft must still decode every token a lookup
