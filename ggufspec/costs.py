@@ -55,6 +55,11 @@ class CostModel:
                        draft_batches=list(self.draft_batches), slot_verify=list(self.slot_verify))
 
     @property
+    def shared(self) -> bool:
+        """Whether other slots' tokens ride in the batches priced (SharedBatch)."""
+        return False
+
+    @property
     def k_long(self) -> tuple[int, ...]:
         """The long draft lengths whose batches were measured."""
         return tuple(n - 1 for n in self.long_sizes)
@@ -187,16 +192,20 @@ class SharedBatch(CostModel):
     batch's cost grows with its size, or wherever a longer chain costs a pass of its own, drafts shrink to what
     still pays, and never below plain continuous batching.
 
-    With `follow`, every slot in the batch is priced as drafting the same k (and keeping as many of them): the
-    draft model's choice while every slot is on steps. One slot's chain beside plain steps runs as a micro-batch of
-    its own, so alone no slot would start drafting, even where all drafting together pays (on the AMX Xeon, two
-    slots' 2-token chains cost less than their 2 plain tokens: 4 tokens, 1.3 decodes, against 2, 1.5); the slots,
-    on the same costs and tick, choose alike (docs/methods.md).
+    With `follow`, every slot in the batch is priced as drafting the same k: the draft model's choice while every
+    slot is on steps. One slot's chain beside plain steps runs as a micro-batch of its own, so alone no slot would
+    start drafting, even where all drafting together pays (on the AMX Xeon, two slots' 2-token chains cost less than
+    their 2 plain tokens: 4 tokens, 1.3 decodes, against 2, 1.5). Each other slot commits what its own drafts are
+    expected to keep (`fellows`: their acceptance records, by lane; this slot's where a slot has none yet), so every
+    slot prices the same sum and, on the same costs and tick, chooses alike: priced by its own record alone, a slot
+    whose drafts were kept 94% of the time drafted while the others, at 70%, did not, and its chain ran as a pass of
+    its own, 282 ms a tick against 201 (docs/methods.md; docs/benchmarks-parallel.md, run 12).
 
     Learning (observe) goes to the base model, with the whole batch's size and seconds (policy.adaptive leaves out
     batches that ran in several micro-batches)."""
 
-    def __init__(self, base: CostModel, lanes: Sequence[int], lane: int, follow: bool = False) -> None:
+    def __init__(self, base: CostModel, lanes: Sequence[int], lane: int, follow: bool = False,
+                 fellows: dict[int, Sequence[float]] | None = None) -> None:
         self.base, self.lane, self.follow = base, lane, follow  # a view of `base`: no fields of its own
         self.lanes = list(lanes)  # a copy: step_seconds puts each priced chain in this slot's lane
         self.others = sum(lanes) - lanes[lane]
@@ -204,6 +213,12 @@ class SharedBatch(CostModel):
         # (k, free) -> step_seconds, until the base learns: a step's plan prices each length several times, and with
         # 8 slots on `auto` that pricing took about a quarter of a slot's Python time (docs/benchmarks-parallel.md)
         self._steps: dict[tuple[int, bool], float] = {}
+        # following: the other busy slots' acceptance records (a slot with none is priced by this slot's)
+        fellows = fellows or {}
+        busy = [i for i, n in enumerate(lanes) if n and i != lane]
+        self._fellows = [fellows[i] for i in busy if i in fellows]
+        self._strangers = len(busy) - len(self._fellows)
+        self._fellow_tokens: dict[int, float] = {}  # k -> what the fellows commit, drafting k each
 
     verify = property(lambda self: self.base.verify)
     draft = property(lambda self: self.base.draft)
@@ -213,6 +228,10 @@ class SharedBatch(CostModel):
     draft_batches = property(lambda self: self.base.draft_batches)
     slots = property(lambda self: self.base.slots)
     slot_verify = property(lambda self: self.base.slot_verify)
+
+    @property
+    def shared(self) -> bool:
+        return self.busy > 1
 
     def step_seconds(self, k: int, free: bool = False) -> float:
         seconds = self._steps.get((k, free))
@@ -231,7 +250,10 @@ class SharedBatch(CostModel):
 
     def rate(self, k: int, tokens: float, free: bool = False) -> float:
         if self.follow:
-            return self.busy * tokens / self.step_seconds(k, free)
+            fellows = self._fellow_tokens.get(k)
+            if fellows is None:
+                fellows = self._fellow_tokens[k] = sum(self.expected_tokens(k, a) for a in self._fellows)
+            return (tokens * (1 + self._strangers) + fellows) / self.step_seconds(k, free)
         return (self.others + tokens) / self.step_seconds(k, free)
 
     def observe(self, *args, **kwargs) -> None:

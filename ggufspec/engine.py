@@ -115,6 +115,7 @@ class SpeculativeEngine:
         self._auto: dict[bool, AutoPolicy] = {}  # with and without a draft model, kept across generations
         self._sizers: dict[tuple, TreeSizer] = {}  # Medusa's, per tree
         self.answers: AnswerPool | None = AnswerPool()  # what it generated, for `auto`'s lookup (EnginePool: shared)
+        self.slot_records: dict | None = None  # EnginePool: its slots' draft-model records (AutoPolicy.slot_records)
         self._lock = threading.Lock()
         self._closed = False
 
@@ -368,7 +369,7 @@ class SpeculativeEngine:
         auto = self._auto.get(model)
         if auto is None or auto.k_max != s.draft_max or auto.costs is not self.costs:
             auto = self._auto[model] = AutoPolicy(self.costs, s.draft_max, model)
-        auto.sizer, auto.peers = sizer, self.target.peers
+        auto.sizer, auto.peers, auto.slot_records = sizer, self.target.peers, self.slot_records
         return auto
 
     def reset(self) -> None:

@@ -100,9 +100,10 @@ class EnginePool:
                       else [None] * parallel)
         engines = [SpeculativeEngine(t, d, settings, costs) for t, d in zip(targets, drafts)]
         answers = AnswerPool()  # one for every slot: an answer in one slot drafts for the next request in any
+        records: dict = {}  # every slot's draft-model acceptance, by lane: following slots price them all
         for e in engines:
             e.load_heads(medusa_path, medusa_vocab)
-            e.answers = answers
+            e.answers, e.slot_records = answers, records
         if costs is None:  # measured by one slot alone, now: later, the other slots' batches would ride along
             # also the batches of every slot's token and of two each (a plain step and one draft each): interpolated
             # between 5 and 16 tokens, a batch of 8 was priced 10% over its cost on the AMX Xeon, and what the

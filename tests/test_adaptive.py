@@ -13,7 +13,8 @@ import ggufspec.costs as costs_module
 from ggufspec.costs import ContextCosts, CostModel, SharedBatch, measure
 from ggufspec.lockstep import even_lanes, micro_batches, micro_shapes
 from ggufspec.policy import PLAIN, Plan, Timing
-from ggufspec.policy.adaptive import MIN_GAIN, PHRASE_MATCH, PROBE_EVERY, PROBE_GAIN, AdaptiveLength
+from ggufspec.policy.adaptive import (MIN_GAIN, PHRASE_MATCH, PROBE_EVERY, PROBE_GAIN, SHARED_GAIN,
+                                      AdaptiveLength)
 from ggufspec.policy.auto import AutoPolicy
 from ggufspec.policy.tree_sizer import TreeSizer
 from ggufspec.proposers import NO_DRAFT, Context, Draft, Proposer
@@ -362,6 +363,57 @@ def test_following_slots_price_their_drafts_as_one_draft_batch_of_every_slot() -
     alone = pool.copy()
     alone.observe(2, 0.0, 1, 0.02)  # one slot's draft token: as before, toward the time seen
     assert alone.draft == pytest.approx(pool.draft + 0.2 * (0.02 - pool.draft))
+
+
+def test_following_slots_price_what_each_slot_s_drafts_keep() -> None:
+    """Following slots price every slot's drafts by that slot's own record, so all choose alike. Priced by its own
+    record alone, a slot whose drafts were kept 94% of the time drafted beside 7 that did not, and its chain ran as a
+    pass of its own, 282 ms a tick against 201 (costs as learned there: docs/benchmarks-parallel.md, run 12)."""
+    pool = replace(XEON_POOL, slots=8, slot_verify=[0.220, 0.313, 0.478], draft_sizes=[8], draft_batches=[0.040])
+    mine, theirs = [0.94] * 4, [0.6] * 4
+
+    def planned(costs: CostModel, acceptance: list[float]) -> int:
+        length = AdaptiveLength(costs, 4)
+        length.acceptance = acceptance
+        return length.planned()
+
+    assert planned(SharedBatch(pool, [1] * 8, lane=6, follow=True), mine) == 1  # as if all kept as many
+    others = {i: theirs for i in range(8) if i != 6}
+    assert planned(SharedBatch(pool, [1] * 8, lane=6, follow=True, fellows=others), mine) == 0
+    assert planned(SharedBatch(pool, [1] * 8, lane=6, follow=True, fellows={i: mine for i in others}), theirs) == 1
+    # a slot with no record yet is priced by this slot's; an idle slot not at all
+    half = SharedBatch(pool, [1] * 8, lane=6, follow=True, fellows={i: theirs for i in range(4)})
+    assert half.rate(1, 1.94) == pytest.approx((4 * 1.6 + 4 * 1.94) / (0.313 + 0.040))
+    idle = SharedBatch(pool, [1, 1, 0, 1], lane=0, follow=True, fellows={1: theirs, 2: mine, 3: theirs})
+    assert idle.rate(1, 1.94) == pytest.approx((1.94 + 2 * 1.6) / idle.step_seconds(1))
+    # through the slots' policies: each registers its record where the others price it, so all 8 choose alike
+    records: dict = {}
+    slots = [AutoPolicy(pool, 4, model=True) for _ in range(8)]
+    for lane, auto in enumerate(slots):
+        auto.slot_records = records
+        auto.model_length.acceptance = list(mine if lane == 6 else theirs)
+        auto.observe(PLAIN, NO_DRAFT, Verdict([0], 0, 0.22, 8, 0, shared=8, lanes=(1,) * 8, lane=lane), None)
+    assert records == {lane: auto.model_length for lane, auto in enumerate(slots)}
+    for auto in slots:
+        auto.price_at(10)
+    assert [auto.model_length.planned() for auto in slots] == [0] * 8
+    for auto in slots:
+        auto.model_length.acceptance = list(mine)
+    for auto in slots:
+        auto.price_at(10)
+    assert [auto.model_length.planned() for auto in slots] == [1] * 8
+
+
+def test_drafting_beside_other_slots_must_clear_a_wider_margin() -> None:
+    """8 slots each drafting a token kept 70% of the time, priced at 1.05 times plain steps (costs as learned on the
+    AMX Xeon, docs/benchmarks-parallel.md, run 12): past MIN_GAIN, short of SHARED_GAIN, so no slot drafts."""
+    pool = replace(XEON_POOL, slots=8, slot_verify=[0.232, 0.336, 0.478], draft_sizes=[8], draft_batches=[0.0392])
+    batch = SharedBatch(pool, [1] * 8, lane=0, follow=True)
+    assert MIN_GAIN < batch.expected_rate(1, 0.7) / batch.expected_rate(0, 0) < SHARED_GAIN
+    length = AdaptiveLength(batch, 4)
+    length.acceptance = [0.7] * 4
+    assert length.planned() == 0
+    assert batch.shared and not pool.shared and not SharedBatch(pool, [0, 1], lane=1).shared  # alone in its batch
 
 
 def test_a_pool_s_steps_are_priced_by_their_shape_as_measured_together() -> None:

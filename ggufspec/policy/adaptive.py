@@ -12,6 +12,10 @@ OPTIMISTIC = 0.9  # probes are made only if drafts kept this often would beat pl
 # use, so a probe that can gain only a little loses (docs/methods.md, "Where the constants come from")
 PROBE_GAIN = 1.2
 MIN_GAIN = 1.05  # drafting only when expected to beat plain decoding by this factor
+# ...or by this one in a batch shared with other slots (costs.SharedBatch), whose price leaves out what drafting
+# does to them: on the AMX Xeon 8 slots drafting a token each were priced at 1.05-1.06 times plain steps, ran at
+# about 1.0, and the slots that drafted fell out of step (docs/methods.md, "Where the constants come from")
+SHARED_GAIN = 1.15
 COPY_PRIOR = 0.9  # what a guess that continues a copy (lookup.LONG_MATCH) is expected to keep, before any evidence
 # A guess whose context matches earlier text for at least this many tokens is priced apart from shorter matches:
 # it is kept more often than one after a 2- or 3-token chance match, and waiting for a LONG_MATCH would spend
@@ -21,7 +25,7 @@ PHRASE_MATCH = 4
 
 class AdaptiveLength:
     """Pick k each step to maximise expected tokens per second, drafting only for a gain of at least
-    MIN_GAIN; k = 0 turns speculation off.
+    MIN_GAIN (SHARED_GAIN beside other slots); k = 0 turns speculation off.
 
     Acceptance is a running average per draft position (a draft that got its first token right
     tends to get the next one right too), carried from one generation to the next but pulled
@@ -51,7 +55,7 @@ class AdaptiveLength:
         """The length choose() would pick now, probes aside; no side effects."""
         k = self.costs.best_k(self.acceptance, self.k_max, free=self.free, longer=self._longer())
         rate = self.costs.expected_rate
-        if k and rate(k, self.acceptance, self.free) < MIN_GAIN * rate(0, 0):
+        if k and rate(k, self.acceptance, self.free) < (SHARED_GAIN if self.costs.shared else MIN_GAIN) * rate(0, 0):
             k = 0  # at break-even the estimate's noise decides, and a wrong guess costs more than it earns
         return k
 

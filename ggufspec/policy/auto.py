@@ -49,6 +49,9 @@ class AutoPolicy:
         self.lanes: tuple[int, ...] = ()
         self.lane = 0
         self.peers = 0  # other slots generating when this generation begins (set by the engine before begin)
+        # a pool's slots' draft-model records by lane, this one's too (set by the engine: shared by the pool's slots):
+        # following slots price what each of them keeps (SharedBatch)
+        self.slot_records: dict[int, AdaptiveLength] | None = None
 
     @property
     def k_cap(self) -> int:
@@ -75,7 +78,9 @@ class AutoPolicy:
         steps = max(self.lanes) <= self.k_max + 1
         k = 0
         if self.model_length is not None and steps:
-            self.model_length.costs = SharedBatch(costs, self.lanes, self.lane, follow=True)
+            records = (self.slot_records or {}).copy()  # one call under the GIL: other slots' threads add to it
+            fellows = {i: r.acceptance for i, r in records.items() if i != self.lane}
+            self.model_length.costs = SharedBatch(costs, self.lanes, self.lane, follow=True, fellows=fellows)
             k = self.model_length.planned()
         # Lookup's guesses are priced beside the others' steps as the draft model's shared choice makes them (k + 1
         # tokens each, or 1), not as their last chains: those were lookup's guesses too, which rarely continue in
@@ -155,6 +160,8 @@ class AutoPolicy:
 
     def observe(self, plan: Plan, draft: Draft, verdict: Verdict, timing: Timing | None) -> None:
         self.lanes, self.lane = verdict.lanes, verdict.lane
+        if self.slot_records is not None and self.model_length is not None and verdict.lanes:
+            self.slot_records[self.lane] = self.model_length
         drafted = kept = 0
         if plan.source in ("lookup", "draft"):
             drafted, kept = len(draft.tokens), verdict.kept
