@@ -282,10 +282,9 @@ class ContextCosts:
 
 
 def measure(target: LlamaCppDecoder, draft: Decoder | None, k_max: int, repeats: int = 5,
-            long_sizes: Sequence[int] = LONG_BATCHES, long_repeats: int = 2,
-            draft_sizes: Sequence[int] = ()) -> tuple[CostModel, float]:
-    """Time target batches of 1..k_max+1 tokens (and of `long_sizes` that fit) and draft batches of one token (and
-    of `draft_sizes` that fit) after a short context; resets both.
+            long_sizes: Sequence[int] = LONG_BATCHES, long_repeats: int = 2) -> tuple[CostModel, float]:
+    """Time target batches of 1..k_max+1 tokens (and of `long_sizes` that fit) and a draft token after a short
+    context; resets both (a pool's batches of every slot's tokens: measure_together).
 
     Rounds interleave all sizes, so a busy spell hits every one; each time is the fastest round's (long
     batches take part in the first `long_repeats` rounds: each costs as much as many short ones).
@@ -299,9 +298,8 @@ def measure(target: LlamaCppDecoder, draft: Decoder | None, k_max: int, repeats:
         d.rollback_to(len(ctx))
     room = min(target.n_ctx - len(ctx) - 1, target.options.micro_batch)  # one micro-batch, inside the context
     longs = [n for n in long_sizes if k_max + 1 < n <= room]
-    wides = [n for n in draft_sizes if 1 < n <= room] if draft is not None else []
-    # the draft's batches cost a fraction of the target's: every round, after the short sizes
-    sizes = [(target, n) for n in range(1, k_max + 2)] + ([(draft, n) for n in [1, *wides]] if draft is not None else [])
+    # the draft's token costs a fraction of the target's batches: every round, after the short sizes
+    sizes = [(target, n) for n in range(1, k_max + 2)] + ([(draft, 1)] if draft is not None else [])
     sizes += [(target, n) for n in longs]
     times: list[list[float]] = [[] for _ in sizes]
     for r in range(repeats):
@@ -317,8 +315,7 @@ def measure(target: LlamaCppDecoder, draft: Decoder | None, k_max: int, repeats:
     best = [min(t) for t in times]
     short = len(sizes) - len(longs)
     spread = max(max(t) / min(t) for t in times[: k_max + 1 + (draft is not None)])
-    model = CostModel(best[: k_max + 1], best[k_max + 1] if draft is not None else 0.0, longs, best[short:],
-                      wides, best[k_max + 2 : short])
+    model = CostModel(best[: k_max + 1], best[k_max + 1] if draft is not None else 0.0, longs, best[short:])
     return model, spread
 
 
@@ -371,7 +368,7 @@ MAX_SPREAD = 1.5  # a measurement noisier than this is used for this run but not
 
 
 def cached_measure(target: LlamaCppDecoder, draft: LlamaCppDecoder | None, k_max: int,
-                   long_sizes: Sequence[int] = LONG_BATCHES, draft_sizes: Sequence[int] = ()) -> CostModel:
+                   long_sizes: Sequence[int] = LONG_BATCHES) -> CostModel:
     """measure(), remembered per model files, thread settings, CPU and llama.cpp build (machine_cache.machine: a
     home shared by different machines must not share their costs) in machine_cache.costs_path().
 
@@ -379,29 +376,26 @@ def cached_measure(target: LlamaCppDecoder, draft: LlamaCppDecoder | None, k_max
     written over, so what the cache holds never makes a run fail."""
     if target.options.remote or (draft is not None and draft.options.remote):
         # a network's costs: not this machine's
-        return measure(target, draft, k_max, long_sizes=long_sizes, draft_sizes=draft_sizes)[0]
+        return measure(target, draft, k_max, long_sizes=long_sizes)[0]
     path = costs_path()
     key = [_identity(target), _identity(draft) if draft else None, k_max, list(long_sizes), machine()]
-    if draft_sizes:  # keys written before draft batches were measured stay valid
-        key.append(list(draft_sizes))
-    entry = read_entry(path, json.dumps(key), lambda value: check_costs(value, k_max, long_sizes, draft_sizes))
+    entry = read_entry(path, json.dumps(key), lambda value: check_costs(value, k_max, long_sizes))
     if entry is not None:
         return CostModel(**entry)
-    model, spread = measure(target, draft, k_max, long_sizes=long_sizes, draft_sizes=draft_sizes)
+    model, spread = measure(target, draft, k_max, long_sizes=long_sizes)
     if spread > MAX_SPREAD:
         return model
     write_table(path, {json.dumps(key): asdict(model)})
     return model
 
 
-def check_costs(entry: object, k_max: int, long_sizes: Sequence[int] = LONG_BATCHES,
-                draft_sizes: Sequence[int] = ()) -> str | None:
+def check_costs(entry: object, k_max: int, long_sizes: Sequence[int] = LONG_BATCHES) -> str | None:
     """What is wrong with a cached CostModel (as asdict wrote it) for draft lengths up to k_max; None if nothing is.
 
     verify: k_max + 1 seconds; draft: seconds or 0 (no draft model); long_sizes: what measure() takes of
     `long_sizes` (the sizes past verify's, up to those that fit), with one long_verify time each (both may be
-    missing); draft_sizes and draft_batches likewise of `draft_sizes` (past 1; none without a draft model).
-    Seconds are finite floats above 0: prices divide by them and interpolate between the sizes."""
+    missing); no pool's batches (draft_sizes and slots: a pool measures them at each load). Seconds are finite
+    floats above 0: prices divide by them and interpolate between the sizes."""
     if not isinstance(entry, dict):
         return f"expected an object, found {_json_type(entry)}"
     unknown = sorted(set(entry) - {"verify", "draft", "long_sizes", "long_verify", "draft_sizes", "draft_batches",
@@ -419,14 +413,9 @@ def check_costs(entry: object, k_max: int, long_sizes: Sequence[int] = LONG_BATC
         return f"long_sizes: expected the first sizes of {longs}"
     if not (isinstance(secs, list) and len(secs) == len(sizes) and all(map(_seconds, secs))):
         return f"long_verify: expected {len(sizes)} positive numbers, one per long size"
-    sizes, secs = entry.get("draft_sizes", []), entry.get("draft_batches", [])
-    wides = [n for n in draft_sizes if n > 1] if draft else []
-    if not (isinstance(sizes, list) and sizes == wides[:len(sizes)]):
-        return f"draft_sizes: expected the first sizes of {wides}"
-    if not (isinstance(secs, list) and len(secs) == len(sizes) and all(map(_seconds, secs))):
-        return f"draft_batches: expected {len(sizes)} positive numbers, one per draft size"
-    if entry.get("slots", 0) != 0 or entry.get("slot_verify", []) != []:  # measured at each load: never cached
-        return "slots: expected none"
+    if entry.get("slots", 0) != 0 or any(entry.get(name, []) != [] for name in ("draft_sizes", "draft_batches",
+                                                                               "slot_verify")):
+        return "a pool's batches (draft_sizes, draft_batches, slots, slot_verify): expected none"
     return None
 
 

@@ -110,13 +110,12 @@ class EnginePool:
             # slots' 8-token batches taught bent the price of 16 to 1.8 times its own (docs/benchmarks-parallel.md,
             # run 8)
             sizes = sorted({*LONG_BATCHES, parallel, 2 * parallel})
-            # and the draft model's batch of every slot's draft token (SharedBatch prices following slots so)
-            costs = cached_measure(targets[0], drafts[0], settings.draft_max, sizes,
-                                   [parallel] if parallel > 1 else [])
-            if parallel > 1:  # and as the slots run them: 1 to 3 tokens of every slot, a draft token of every slot
+            costs = cached_measure(targets[0], drafts[0], settings.draft_max, sizes)
+            if parallel > 1:  # and as the slots run them: 1 to 3 tokens of every slot, and the draft model's batch
+                # of every slot's draft token (SharedBatch prices following slots so)
                 costs = replace(costs, slots=parallel, slot_verify=measure_together(lockstep, targets, SLOT_WIDTHS))
-                if drafts[0] is not None and costs.draft_sizes == [parallel]:
-                    costs.draft_batches = measure_together(lockstep, drafts, (1,))
+                if drafts[0] is not None:
+                    costs.draft_sizes, costs.draft_batches = [parallel], measure_together(lockstep, drafts, (1,))
             for e in engines:
                 e.costs = costs
         if parallel > 1:  # the target's uneven chains are padded to one length where that costs less

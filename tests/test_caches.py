@@ -69,9 +69,9 @@ def measured(tmp_path, monkeypatch) -> list[int]:
     that it is cached however busy this machine is)."""
     calls: list[int] = []
 
-    def quiet(target, draft, k_max, long_sizes=LONG_BATCHES, draft_sizes=()):
+    def quiet(target, draft, k_max, long_sizes=LONG_BATCHES):
         calls.append(k_max)
-        return measure(target, draft, k_max, long_sizes=long_sizes, draft_sizes=draft_sizes)[0], 1.0
+        return measure(target, draft, k_max, long_sizes=long_sizes)[0], 1.0
 
     monkeypatch.setenv("GGUFSPEC_CACHE", str(tmp_path))
     monkeypatch.setattr(costs_module, "measure", quiet)
@@ -128,17 +128,14 @@ def test_a_bad_cost_entry_is_measured_again_and_written_over(decoders, measured,
     assert capsys.readouterr().err == ""
 
 
-def test_a_pool_s_draft_batch_is_measured_and_cached_apart(decoders, measured) -> None:
-    """A pool measures the draft model's batch of every slot's token too; its entry is kept beside the plain one."""
+def test_a_cached_entry_holds_no_pool_s_batches(decoders, measured) -> None:
+    """A pool times its slots' batches (the target's and the draft model's) at each load: an entry holding them is
+    refused and measured again."""
     plain = costs_module.cached_measure(*decoders, K_MAX)
-    pool = costs_module.cached_measure(*decoders, K_MAX, draft_sizes=[4])
-    assert plain.draft_sizes == [] and pool.draft_sizes == [4] and len(pool.draft_batches) == 1
-    assert pool.draft_seconds(4) == pool.draft_batches[0] > 0 and pool.draft_seconds(1) == pool.draft
-    assert costs_module.cached_measure(*decoders, K_MAX, draft_sizes=[4]) == pool and len(measured) == 2
-    entries = json.loads(costs_module.costs_path().read_text()).values()
-    assert sorted(check_costs(e, K_MAX, draft_sizes=[4]) or "" for e in entries) == ["", ""]
-    assert check_costs({**asdict(pool), "draft_batches": []}, K_MAX, draft_sizes=[4]) == (
-        "draft_batches: expected 1 positive numbers, one per draft size")
+    assert plain.draft_sizes == [] and plain.slots == 0 and check_costs(asdict(plain), K_MAX) is None
+    for pool in ({"draft_sizes": [4], "draft_batches": [0.01]}, {"slots": 4, "slot_verify": [0.1]}):
+        assert check_costs({**asdict(plain), **pool}, K_MAX) == (
+            "a pool's batches (draft_sizes, draft_batches, slots, slot_verify): expected none")
 
 
 def test_a_measured_entry_passes_the_check(decoders, measured) -> None:
@@ -183,8 +180,8 @@ def test_two_measurements_at_once_keep_both_entries(tiny_target, tmp_path, monke
     """Both threads read the (empty) table before either writes: each write must merge, not replace."""
     both_measured = threading.Barrier(2)
 
-    def measure_then_wait(target, draft, k_max, long_sizes=LONG_BATCHES, draft_sizes=()):
-        model = measure(target, draft, k_max, long_sizes=long_sizes, draft_sizes=draft_sizes)[0]
+    def measure_then_wait(target, draft, k_max, long_sizes=LONG_BATCHES):
+        model = measure(target, draft, k_max, long_sizes=long_sizes)[0]
         both_measured.wait(timeout=300)
         return model, 1.0
 
