@@ -786,12 +786,15 @@ class _SharedContext:
         self.price: Price | None = None
         self.pad_max = 0
 
-    def run(self, subs: list[Submission]) -> tuple[int, ...] | None:
+    def run(self, subs: list[Submission]) -> tuple[int, ...]:
         o = self.owner
         # by sequence: llama.cpp splits a batch over several streams into micro-batches of consecutive sequence ids
         # (and as many tokens of each), so slots in order share theirs
         subs = sorted(subs, key=lambda s: s.seq_ids[0][0])
-        ran = self._padded_lanes(subs)
+        lanes = [0] * (1 + subs[-1].seq_ids[0][0])  # tokens by sequence (each submission's first)
+        for s in subs:
+            lanes[s.seq_ids[0][0]] += len(s.tokens)
+        ran = self._padded_lanes(subs, lanes)
         tokens, positions, seq_ids, outputs = [], [], [], []
         padded: list[tuple[int, int]] = []  # (sequence, its first pad's position)
         # in sequence order, as llama.cpp takes consecutive sequences into one micro-batch; padded, every sequence up
@@ -830,7 +833,7 @@ class _SharedContext:
         for seq, end in padded:  # the pads' cells go: each sequence is as if its own tokens had run alone
             llama_cpp.llama_memory_seq_rm(o._mem, seq, end, -1)
         if rc != 0:
-            return ran
+            return ran or tuple(lanes)
         # llama.cpp keeps the output rows in batch order, each submission's together: one view of the batch, a slice
         # copy each (a view and a stack per row took 1.9 ms a tick for 8 slots' chains of 4, against 0.3 ms so:
         # docs/benchmarks-parallel.md, "the engine's share")
@@ -844,19 +847,16 @@ class _SharedContext:
             if hidden and s.hidden:
                 s.states = states[row : row + k].copy()
             row += k
-        return ran
+        return ran or tuple(lanes)
 
-    def _padded_lanes(self, subs: list[Submission]) -> tuple[int, ...] | None:
-        """The tokens each sequence runs, pads included, where padding makes the batch cheaper (subs sorted by
-        sequence; an idle sequence below the last one may be padded too); None: no pads. A slot is one sequence of
-        this context (EnginePool sets price only so)."""
+    def _padded_lanes(self, subs: list[Submission], lanes: list[int]) -> tuple[int, ...] | None:
+        """The tokens each sequence runs, pads included, where padding makes the batch of `lanes` (tokens by sequence)
+        cheaper (subs sorted by sequence; an idle sequence below the last one may be padded too); None: no pads. A
+        slot is one sequence of this context (EnginePool sets price only so)."""
         seqs = {s.seq_ids[0][0] for s in subs}
         one_each = len(seqs) == len(subs) and all(len(ids) == 1 for s in subs for ids in s.seq_ids)  # chains, no trees
         if self.price is None or len(seqs) < 2 or not one_each:
             return None
-        lanes = [0] * (1 + subs[-1].seq_ids[0][0])
-        for s in subs:
-            lanes[s.seq_ids[0][0]] += len(s.tokens)
         even = even_lanes(lanes, self.price, self.pad_max)
         return None if even == tuple(lanes) else even
 

@@ -51,8 +51,8 @@ class Runner(Protocol):
 
     leads: bool
 
-    def run(self, subs: list[Submission]) -> Sequence[int] | None:
-        """Run `subs`; the tokens each sequence ran (by sequence id) where the runner padded them, else None."""
+    def run(self, subs: list[Submission]) -> Sequence[int]:
+        """Run `subs`; the tokens each sequence ran, by sequence id, pads included."""
 
 
 @dataclass
@@ -149,21 +149,15 @@ class Lockstep:
                 try:
                     for runner, subs in running.values():
                         t0 = time.perf_counter()
-                        ran = None
+                        shape: tuple[int, ...] = ()  # the whole batch as it ran: per sequence, pads included
                         try:
-                            ran = runner.run(subs)
+                            shape = tuple(runner.run(subs))
                         except Exception:  # the submissions keep rc -1: each member raises its decode's error
                             pass
                         seconds = time.perf_counter() - t0
                         self.decode_seconds += seconds
-                        lanes = [0] * (1 + max(s.seq_ids[0][0] for s in subs))
                         for s in subs:
-                            lanes[s.seq_ids[0][0]] += len(s.tokens)
-                        # the whole batch as it ran: per sequence (pads included), and its tokens
-                        shape = tuple(ran) if ran is not None else tuple(lanes)
-                        n = sum(shape)
-                        for s in subs:
-                            s.seconds, s.batch, s.lanes = seconds, n, shape
+                            s.seconds, s.batch, s.lanes = seconds, sum(shape), shape
                     self.n_ticks += 1
                 finally:
                     for _, subs in running.values():
