@@ -25,6 +25,7 @@ from .medusa.heads import ARCH as MEDUSA_ARCH, Heads, heads_memory, medusa_decod
 from .loop import generate_steps
 from .methods import METHODS, Method, get_method
 from .policy import Policy, TreeSizer
+from .policy.adaptive import AdaptiveLength
 from .policy.auto import AutoPolicy
 from .proposers import PROPOSERS, AnswerPool, Proposer, Setup
 from .pairing import check_pair
@@ -115,7 +116,8 @@ class SpeculativeEngine:
         self._auto: dict[bool, AutoPolicy] = {}  # with and without a draft model, kept across generations
         self._sizers: dict[tuple, TreeSizer] = {}  # Medusa's, per tree
         self.answers: AnswerPool | None = AnswerPool()  # what it generated, for `auto`'s lookup (EnginePool: shared)
-        self.slot_records: dict | None = None  # EnginePool: its slots' draft-model records (AutoPolicy.slot_records)
+        # EnginePool: its slots' draft-model records, by lane (AutoPolicy.slot_records)
+        self.slot_records: dict[int, AdaptiveLength] | None = None
         self._lock = threading.Lock()
         self._closed = False
 

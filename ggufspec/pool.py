@@ -20,6 +20,7 @@ from .decoder import DecoderOptions, LlamaCppDecoder, common_prefix
 from .engine import GenerationResponse, GenerationSettings, Prompt, SpeculativeEngine
 from .errors import GGUFSpecError
 from .lockstep import Lockstep
+from .policy.adaptive import AdaptiveLength
 from .proposers import AnswerPool
 
 T = TypeVar("T")
@@ -100,7 +101,7 @@ class EnginePool:
                       else [None] * parallel)
         engines = [SpeculativeEngine(t, d, settings, costs) for t, d in zip(targets, drafts)]
         answers = AnswerPool()  # one for every slot: an answer in one slot drafts for the next request in any
-        records: dict = {}  # every slot's draft-model acceptance, by lane: following slots price them all
+        records: dict[int, AdaptiveLength] = {}  # every slot's draft-model record by lane: following slots price all
         for e in engines:
             e.load_heads(medusa_path, medusa_vocab)
             e.answers, e.slot_records = answers, records
