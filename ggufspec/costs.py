@@ -84,7 +84,7 @@ class CostModel:
         AMX Xeon 8 slots' tokens took 232 ms, one sequence's 8 353; 5 slots' 2 tokens and 2 slots' 2, two passes,
         took 458 to 517 ms where every slot's 2 took 370, and priced as one sequence's 10 and 4 tokens they were not
         padded into one pass: docs/benchmarks-parallel.md, run 10), and the curve by slots is not smooth (4 slots'
-        tokens took 108 ms there, 3 slots' 157, 8 slots' 212, 7 slots' 229: run 13)."""
+        tokens took 108 ms there, 3 slots' 157, 8 slots' 212, 7 slots' 229: run 12)."""
         if 1 < seqs <= self.slots and each <= len(self.slot_verify):
             if seqs == self.slots:
                 return self.slot_verify[each - 1]

@@ -208,7 +208,7 @@ def _cheapest(lanes: Sequence[int], seconds: Price, longest: int) -> tuple[tuple
     for m in sorted({n for n in lanes if 0 < n <= longest}):
         busy = tuple(max(n, m) if n else 0 for n in lanes)
         # the idle ones among the busy, and as many after them as pay: 4 slots' tokens cost less than 3 slots'
-        # on the AMX Xeon, 8 slots' less than 7 (docs/benchmarks-parallel.md, run 13)
+        # on the AMX Xeon, 8 slots' less than 7 (docs/benchmarks-parallel.md, run 12)
         idle = [tuple(max(n, m) if i < end else 0 for i, n in enumerate(lanes))
                 for end in range(last + 1, len(lanes) + 1)]
         for padded in (busy, *idle) if steps else (busy,):

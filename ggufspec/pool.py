@@ -113,7 +113,7 @@ class EnginePool:
             sizes = sorted({*LONG_BATCHES, parallel, 2 * parallel})
             costs = cached_measure(targets[0], drafts[0], settings.draft_max, sizes)
             if parallel > 1:  # and as the slots run them: one token of the first m slots, m = 1..N (4 slots' took
-                # less than 3 slots' on the AMX Xeon: docs/benchmarks-parallel.md, run 13), 1 to 3 tokens of every
+                # less than 3 slots' on the AMX Xeon: docs/benchmarks-parallel.md, run 12), 1 to 3 tokens of every
                 # slot, and the draft model's batch of every slot's draft token (SharedBatch prices following slots so)
                 steps = [measure_together(lockstep, targets[:m], (1,), keep=True)[0] for m in range(1, parallel)]
                 verify = measure_together(lockstep, targets, SLOT_WIDTHS)

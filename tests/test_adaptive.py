@@ -437,7 +437,7 @@ def test_a_pool_s_steps_are_priced_by_their_shape_as_measured_together() -> None
 
 
 def test_fewer_slots_steps_are_priced_as_measured_and_padded_to_more_slots_where_cheaper() -> None:
-    """On the AMX Xeon 4 slots' tokens took 108 ms and 3 slots' 157, 8 slots' 212 and 7 slots' 229 (run 13): a
+    """On the AMX Xeon 4 slots' tokens took 108 ms and 3 slots' 157, 8 slots' 212 and 7 slots' 229 (run 12): a
     pool times one token of the first m slots for every m; fewer slots' chains are scaled as their one token is
     from the line between one sequence and every slot; idle slots after the busy ones are padded where more slots
     cost less, and a tick of m slots' tokens teaches m's price."""
