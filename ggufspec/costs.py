@@ -36,9 +36,8 @@ class CostModel:
     """verify[n-1]: seconds for the target to decode n tokens with all logits; draft: one draft token;
     long_verify[i]: a batch of long_sizes[i] tokens (sizes past verify's; between them, interpolated);
     draft_batches[i]: a draft batch of draft_sizes[i] tokens (a pool's slots drafting together), one each;
-    slot_verify[w-1]: a batch of w tokens in each of `slots` sequences (a pool's steps; measure_together);
-    slot_steps[m-1]: a batch of one token in each of m slots' sequences, m = 1..slots (measured with them).
-    All but slot_verify and slot_steps are one sequence's tokens, as measure() times them."""
+    slot_verify[w-1]: a batch of w tokens in each of `slots` sequences (a pool's steps; measure_together).
+    All but slot_verify are one sequence's tokens, as measure() times them."""
 
     verify: list[float]
     draft: float
@@ -48,14 +47,12 @@ class CostModel:
     draft_batches: list[float] = field(default_factory=list)
     slots: int = 0
     slot_verify: list[float] = field(default_factory=list)
-    slot_steps: list[float] = field(default_factory=list)
 
     def copy(self) -> CostModel:
         """An independent copy, of the same class (a subclass may price or learn differently)."""
         return replace(self, verify=list(self.verify), long_sizes=list(self.long_sizes),
                        long_verify=list(self.long_verify), draft_sizes=list(self.draft_sizes),
-                       draft_batches=list(self.draft_batches), slot_verify=list(self.slot_verify),
-                       slot_steps=list(self.slot_steps))
+                       draft_batches=list(self.draft_batches), slot_verify=list(self.slot_verify))
 
     @property
     def shared(self) -> bool:
@@ -79,25 +76,14 @@ class CostModel:
     def micro_seconds(self, seqs: int, each: int) -> float:
         """Seconds for a micro-batch of `each` tokens in each of `seqs` sequences (lockstep.micro_shapes): for a
         pool's steps, between one sequence's `each` tokens and every slot's, as measured together, interpolated by
-        the sequences, and scaled as the measured one token of `seqs` slots is from that line; else priced by its
-        tokens. llama.cpp computes several sequences' tokens with other kernels than one sequence's as many (on the
-        AMX Xeon 8 slots' tokens took 232 ms, one sequence's 8 353; 5 slots' 2 tokens and 2 slots' 2, two passes,
-        took 458 to 517 ms where every slot's 2 took 370, and priced as one sequence's 10 and 4 tokens they were not
-        padded into one pass: docs/benchmarks-parallel.md, run 10), and the curve by slots is not smooth (4 slots'
-        tokens took 108 ms there, 3 slots' 157, 8 slots' 212, 7 slots' 229: run 12)."""
+        the sequences; else priced by its tokens. llama.cpp computes several sequences' tokens with other kernels
+        than one sequence's as many (on the AMX Xeon 8 slots' tokens took 232 ms, one sequence's 8 353; 5 slots'
+        2 tokens and 2 slots' 2, two passes, took 458 to 517 ms where every slot's 2 took 370, and priced as one
+        sequence's 10 and 4 tokens they were not padded into one pass: docs/benchmarks-parallel.md, run 10)."""
         if 1 < seqs <= self.slots and each <= len(self.slot_verify):
-            if seqs == self.slots:
-                return self.slot_verify[each - 1]
-            if seqs > len(self.slot_steps):
-                return self._between_slots(seqs, each)
-            one_each = self.slot_steps[seqs - 1]
-            return one_each if each == 1 else self._between_slots(seqs, each) * one_each / self._between_slots(seqs, 1)
+            every, one = self.slot_verify[each - 1], self.batch_seconds(each)
+            return every if seqs == self.slots else one + (every - one) * (seqs - 1) / (self.slots - 1)
         return self.batch_seconds(seqs * each)
-
-    def _between_slots(self, seqs: int, each: int) -> float:
-        """One sequence's `each` tokens and every slot's, interpolated at `seqs` slots."""
-        every, one = self.slot_verify[each - 1], self.batch_seconds(each)
-        return one + (every - one) * (seqs - 1) / (self.slots - 1)
 
     def draft_seconds(self, n: int) -> float:
         """Seconds for a draft batch of n tokens (every slot's draft position at once): between the measured sizes,
@@ -165,8 +151,6 @@ class CostModel:
             each = n_verify // verify_seqs
             if verify_seqs == self.slots and each * verify_seqs == n_verify and each <= len(self.slot_verify):
                 self.slot_verify[each - 1] *= (verify_s / self.slot_verify[each - 1]) ** weight
-            elif n_verify == verify_seqs <= len(self.slot_steps):  # fewer slots' one token each
-                self.slot_steps[verify_seqs - 1] *= (verify_s / self.slot_steps[verify_seqs - 1]) ** weight
         elif verify_s > 0 and n_verify > len(self.verify) and self.long_sizes:
             # only a measured size learns, from a batch of its own size: between sizes the price is not smooth (on
             # the AMX Xeon 7 tokens cost more than 8), and 7 slots' batches priced 8 a third over its cost
@@ -244,7 +228,6 @@ class SharedBatch(CostModel):
     draft_batches = property(lambda self: self.base.draft_batches)
     slots = property(lambda self: self.base.slots)
     slot_verify = property(lambda self: self.base.slot_verify)
-    slot_steps = property(lambda self: self.base.slot_steps)
 
     @property
     def shared(self) -> bool:
@@ -337,10 +320,9 @@ def measure(target: LlamaCppDecoder, draft: Decoder | None, k_max: int, repeats:
 
 
 def measure_together(lockstep: Lockstep, views: Sequence[LlamaCppDecoder], widths: Sequence[int],
-                     repeats: int = 3, keep: bool = False) -> list[float]:
+                     repeats: int = 3) -> list[float]:
     """Seconds for one batch of w tokens in each of `views`' sequences (slots of one shared context: the shape a
-    pool's steps run in), for each w in `widths`, the fastest of `repeats`, after a short context; resets them
-    (`keep`: leaves them that context, which a next call over them need not decode again).
+    pool's steps run in), for each w in `widths`, the fastest of `repeats`, after a short context; resets them.
     measure() times one sequence's tokens, which llama.cpp runs in other kernels: on the AMX Xeon 8 slots' tokens
     took 232 ms timed so, one sequence's 8 353, and 8 slots' 2-token chains 1.6 times their plain steps where one
     sequence's 16 tokens took 1.4 times its 8 (docs/benchmarks-parallel.md, run 10). Each view feeds from a thread
@@ -355,8 +337,7 @@ def measure_together(lockstep: Lockstep, views: Sequence[LlamaCppDecoder], width
         # a member waiting at the barrier would hold back a tick another thread waits on: each waits only where no
         # thread has a decode pending (and each feed's tick has every member's)
         try:
-            if v.history != ctx:
-                v.sync(ctx)
+            v.sync(ctx)
             together.wait()
             with lockstep.member():
                 together.wait()
@@ -368,7 +349,7 @@ def measure_together(lockstep: Lockstep, views: Sequence[LlamaCppDecoder], width
                             times[w].append(v.decode_seconds - before)  # the whole batch's seconds
                         v.rollback_to(len(ctx))
                         together.wait()
-            v.rollback_to(len(ctx) if keep else 0)
+            v.rollback_to(0)
         except BaseException as e:  # the others stop at the barrier (BrokenBarrierError) rather than wait for ever
             errors.append(e)
             together.abort()
@@ -418,7 +399,7 @@ def check_costs(entry: object, k_max: int, long_sizes: Sequence[int] = LONG_BATC
     if not isinstance(entry, dict):
         return f"expected an object, found {_json_type(entry)}"
     unknown = sorted(set(entry) - {"verify", "draft", "long_sizes", "long_verify", "draft_sizes", "draft_batches",
-                                   "slots", "slot_verify", "slot_steps"})
+                                   "slots", "slot_verify"})
     if unknown:
         return f"unknown fields: {', '.join(unknown)}"
     verify, draft = entry.get("verify"), entry.get("draft")
@@ -432,9 +413,9 @@ def check_costs(entry: object, k_max: int, long_sizes: Sequence[int] = LONG_BATC
         return f"long_sizes: expected the first sizes of {longs}"
     if not (isinstance(secs, list) and len(secs) == len(sizes) and all(map(_seconds, secs))):
         return f"long_verify: expected {len(sizes)} positive numbers, one per long size"
-    pool = ("draft_sizes", "draft_batches", "slot_verify", "slot_steps")
-    if entry.get("slots", 0) != 0 or any(entry.get(name, []) != [] for name in pool):
-        return f"a pool's batches (slots, {', '.join(pool)}): expected none"
+    if entry.get("slots", 0) != 0 or any(entry.get(name, []) != [] for name in ("draft_sizes", "draft_batches",
+                                                                               "slot_verify")):
+        return "a pool's batches (draft_sizes, draft_batches, slots, slot_verify): expected none"
     return None
 
 

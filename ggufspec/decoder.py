@@ -851,13 +851,12 @@ class _SharedContext:
 
     def _padded_lanes(self, subs: list[Submission], lanes: list[int]) -> tuple[int, ...] | None:
         """The tokens each sequence runs, pads included, where padding makes the batch of `lanes` (tokens by sequence)
-        cheaper (subs sorted by sequence; idle sequences may be padded too); None: no pads. A slot is one sequence of
-        this context (EnginePool sets price only so)."""
+        cheaper (subs sorted by sequence; an idle sequence below the last one may be padded too); None: no pads. A
+        slot is one sequence of this context (EnginePool sets price only so)."""
         seqs = {s.seq_ids[0][0] for s in subs}
         one_each = len(seqs) == len(subs) and all(len(ids) == 1 for s in subs for ids in s.seq_ids)  # chains, no trees
         if self.price is None or len(seqs) < 2 or not one_each:
             return None
-        lanes += [0] * (self.owner.options.n_seq_max - len(lanes))  # the idle slots after the last busy one too
         even = even_lanes(lanes, self.price, self.pad_max)
         return None if even == tuple(lanes) else even
 

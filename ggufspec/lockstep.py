@@ -185,14 +185,14 @@ Price = Callable[[int, int], float]  # seconds for a micro-batch of `each` token
 
 def even_lanes(lanes: Sequence[int], seconds: Price, longest: int) -> tuple[int, ...]:
     """`lanes` with the shorter ones padded up to a common length of at most `longest` (a step's chain), the idle
-    sequences among them (0) and after them too or not, where that costs less by `seconds` (a micro-batch's price
-    by its shape) than the micro-batches of the lanes as they are; else as they are. Eight slots' 2-token chains
-    with two plain steps among them ran in 4 micro-batches (7 decodes on the AMX Xeon), padded in one of 16
-    tokens (3.9); four slots' plain steps with idle slots between them, (1, 1, 0, 0, 0, 1, 1), ran in two passes,
-    509 ms a tick, where 8 slots' took 308 (docs/benchmarks-parallel.md, run 10). Prompt chunks are not padded,
-    nor idle sequences beside them: llama.cpp also cuts those at n_ubatch, which micro_batches does not price.
-    The pads' outputs are not read and their cells are removed after the batch (decoder._SharedContext), so no
-    sequence's tokens change: each sequence's rows attend only to its own stream, its earlier tokens."""
+    sequences among them (0) too or not, where that costs less by `seconds` (a micro-batch's price by its shape) than
+    the micro-batches of the lanes as they are; else as they are. Eight slots' 2-token chains with two plain steps
+    among them ran in 4 micro-batches (7 decodes on the AMX Xeon), padded in one of 16 tokens (3.9); four slots'
+    plain steps with idle slots between them, (1, 1, 0, 0, 0, 1, 1), ran in two passes, 509 ms a tick, where 8
+    slots' took 308 (docs/benchmarks-parallel.md, run 10). Prompt chunks are not padded, nor idle sequences beside
+    them: llama.cpp also cuts those at n_ubatch, which micro_batches does not price. The pads' outputs are not read
+    and their cells are removed after the batch (decoder._SharedContext), so no sequence's tokens change: each
+    sequence's rows attend only to its own stream, its earlier tokens."""
     return _cheapest(lanes, seconds, longest)[0]
 
 
@@ -204,14 +204,9 @@ def padded_seconds(lanes: Sequence[int], seconds: Price, longest: int) -> float:
 def _cheapest(lanes: Sequence[int], seconds: Price, longest: int) -> tuple[tuple[int, ...], float]:
     best, cheapest = tuple(lanes), sum(seconds(*shape) for shape in _micro_shapes(tuple(lanes)))
     steps = max(lanes, default=0) <= longest  # no prompt's chunk: idle sequences may be padded too
-    last = max((i for i, n in enumerate(lanes) if n), default=-1)
     for m in sorted({n for n in lanes if 0 < n <= longest}):
         busy = tuple(max(n, m) if n else 0 for n in lanes)
-        # the idle ones among the busy, and as many after them as pay: 4 slots' tokens cost less than 3 slots'
-        # on the AMX Xeon, 8 slots' less than 7 (docs/benchmarks-parallel.md, run 12)
-        idle = [tuple(max(n, m) if i < end else 0 for i, n in enumerate(lanes))
-                for end in range(last + 1, len(lanes) + 1)]
-        for padded in (busy, *idle) if steps else (busy,):
+        for padded in (busy, tuple(max(n, m) for n in lanes)) if steps else (busy,):
             price = sum(seconds(*shape) for shape in _micro_shapes(padded))
             if price < cheapest:
                 best, cheapest = padded, price

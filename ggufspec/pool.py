@@ -112,12 +112,9 @@ class EnginePool:
             # run 8)
             sizes = sorted({*LONG_BATCHES, parallel, 2 * parallel})
             costs = cached_measure(targets[0], drafts[0], settings.draft_max, sizes)
-            if parallel > 1:  # and as the slots run them: one token of the first m slots, m = 1..N (4 slots' took
-                # less than 3 slots' on the AMX Xeon: docs/benchmarks-parallel.md, run 12), 1 to 3 tokens of every
-                # slot, and the draft model's batch of every slot's draft token (SharedBatch prices following slots so)
-                steps = [measure_together(lockstep, targets[:m], (1,), keep=True)[0] for m in range(1, parallel)]
-                verify = measure_together(lockstep, targets, SLOT_WIDTHS)
-                costs = replace(costs, slots=parallel, slot_verify=verify, slot_steps=[*steps, verify[0]])
+            if parallel > 1:  # and as the slots run them: 1 to 3 tokens of every slot, and the draft model's batch
+                # of every slot's draft token (SharedBatch prices following slots so)
+                costs = replace(costs, slots=parallel, slot_verify=measure_together(lockstep, targets, SLOT_WIDTHS))
                 if drafts[0] is not None:
                     costs.draft_sizes, costs.draft_batches = [parallel], measure_together(lockstep, drafts, (1,))
             for e in engines:

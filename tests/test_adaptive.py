@@ -436,25 +436,6 @@ def test_a_pool_s_steps_are_priced_by_their_shape_as_measured_together() -> None
     assert learned == pool
 
 
-def test_fewer_slots_steps_are_priced_as_measured_and_padded_to_more_slots_where_cheaper() -> None:
-    """On the AMX Xeon 4 slots' tokens took 108 ms and 3 slots' 157, 8 slots' 212 and 7 slots' 229 (run 12): a
-    pool times one token of the first m slots for every m; fewer slots' chains are scaled as their one token is
-    from the line between one sequence and every slot; idle slots after the busy ones are padded where more slots
-    cost less, and a tick of m slots' tokens teaches m's price."""
-    steps = [0.080, 0.150, 0.157, 0.108, 0.180, 0.200, 0.229, 0.212]
-    pool = replace(XEON_POOL, slots=8, slot_verify=[0.212, 0.31, 0.48], slot_steps=steps)
-    assert [pool.micro_seconds(m, 1) for m in range(2, 9)] == steps[1:]
-    line = pool.batch_seconds(2) + (0.31 - pool.batch_seconds(2)) * 2 / 7
-    assert pool.micro_seconds(3, 2) == pytest.approx(line * 0.157 / pool._between_slots(3, 1))
-    assert even_lanes([1, 1, 1, 0, 0, 0, 0, 0], pool.micro_seconds, 5) == (1, 1, 1, 1, 0, 0, 0, 0)
-    assert even_lanes([1] * 7 + [0], pool.micro_seconds, 5) == (1,) * 8
-    assert even_lanes([1, 1, 0, 0, 0, 0, 0, 0], pool.micro_seconds, 5) == (1, 1, 1, 1, 0, 0, 0, 0)
-    assert even_lanes([1, 0, 0, 0, 0, 0, 0, 0], pool.micro_seconds, 5) == (1, 0, 0, 0, 0, 0, 0, 0)  # one: cheapest
-    learned = pool.copy()
-    learned.observe(3, 0.20, 0, 0.0, verify_seqs=3)
-    assert learned.slot_steps[2] == pytest.approx(0.157 * (0.20 / 0.157) ** 0.2) and learned.slot_verify == pool.slot_verify
-
-
 def test_a_lookup_guess_is_priced_beside_the_others_next_steps_not_their_last_chains() -> None:
     """Seven slots' last batch had other slots' lookup chains in it; they rarely go on in step, so a guess is priced
     beside the plain steps the draft model's shared choice (none, at 8 slots on this Xeon) makes of them: its chain
