@@ -62,8 +62,9 @@ class AdaptiveLength:
     def _longer(self) -> tuple[int, ...]:
         return self.longer if self._all_kept else ()
 
-    def choose(self) -> int:
-        k = self.planned()
+    def choose(self, planned: int | None = None) -> int:
+        """The length to draft now: planned() (given, where the caller priced it on the same costs), or a probe."""
+        k = self.planned() if planned is None else planned
         self._probing = False
         if k == 0:
             self._off_steps += 1

@@ -63,25 +63,25 @@ class AutoPolicy:
         """The cost model measured at start-up (short context)."""
         return self.context_costs.base
 
-    def price_at(self, n_ctx: int) -> None:
+    def price_at(self, n_ctx: int) -> int | None:
         """Price the next steps at the costs learned for a context of n_ctx tokens, in a batch shared with the other
-        slots of the last one."""
+        slots of the last one. Returns the draft model's planned length where pricing it took it, else None."""
         costs = self.context_costs.at(n_ctx)
         if not (self.lanes and sum(self.lanes) > self.lanes[self.lane]):  # a batch of its own
             for length in self._records:
                 length.costs = costs
-            return
+            return None
         # the draft model's choice prices every slot drafting alike (SharedBatch) while each is on steps the
         # model could draft (no prompt's chunk or long copy in the batch): pricing each chain alone beside the
         # others' last ones, two slots swapped turns, each evening the other's last batch into a new uneven one
         # (docs/benchmarks-parallel.md, run 5)
         steps = max(self.lanes) <= self.k_max + 1
-        k = 0
+        k, planned = 0, None
         if self.model_length is not None and steps:
             records = (self.slot_records or {}).copy()  # one call under the GIL: other slots' threads add to it
             fellows = {i: r.acceptance for i, r in records.items() if i != self.lane}
             self.model_length.costs = SharedBatch(costs, self.lanes, self.lane, follow=True, fellows=fellows)
-            k = self.model_length.planned()
+            k = planned = self.model_length.planned()
         # Lookup's guesses are priced beside the others' steps as the draft model's shared choice makes them (k + 1
         # tokens each, or 1), not as their last chains: those were lookup's guesses too, which rarely continue in
         # step, and a chain priced as evening them out ran, beside plain steps, as a micro-batch of its own; at 8
@@ -92,6 +92,7 @@ class AutoPolicy:
         for length in self._records:
             if length is not self.model_length or not steps:
                 length.costs = shared
+        return planned
 
     def begin(self, prompt: list[int], proposers: dict[str, Proposer]) -> set[str]:
         """Every record's acceptance halfway back to its prior; the draft model decodes the prompt only where it is
@@ -138,7 +139,8 @@ class AutoPolicy:
         self.source = self._proposed = None
         if k <= 0:
             return PLAIN
-        self.price_at(len(context))
+        # the draft model's length is priced once a step (planning it is most of a busy slot's Python time)
+        planned = self.price_at(len(context))
         self._judge_unverified(context)
         guess = self.lookup.find(context, k)
         match = self.lookup.match
@@ -151,11 +153,14 @@ class AutoPolicy:
             return Plan("lookup", n)
         if guess:
             self._unverified.append(judged_later)
-        if self.model_length is not None and self._catch_up_pays(context, room):
-            self.source = self.model_length
-            n = min(self.model_length.choose(), k, self.k_max - deferred)
-            if n:
-                return Plan("draft", n)
+        model = self.model_length
+        if model is not None:
+            planned = model.planned() if planned is None else planned
+            if self._catch_up_pays(context, room, planned):
+                self.source = model
+                n = min(model.choose(planned), k, self.k_max - deferred)
+                if n:
+                    return Plan("draft", n)
         return PLAIN
 
     def observe(self, plan: Plan, draft: Draft, verdict: Verdict, timing: Timing | None) -> None:
@@ -198,18 +203,17 @@ class AutoPolicy:
                 pending.append((record, at, tokens))
         self._unverified = pending
 
-    def _catch_up_pays(self, context: list[int], room: int) -> bool:
+    def _catch_up_pays(self, context: list[int], room: int, k: int) -> bool:
         """The draft model is not started where catching up on the context it has not seen (charged at a draft step a
         token, an upper bound) would cost more than drafting can win back: the time its expected gain saves on the
         tokens left (`room`, at most CATCH_UP_HORIZON), or for a probe, the plain steps between two probes. After a
         long prompt the draft was not prefilled for, a catch-up cost more than those steps could win back; in a
         busy pool, three slots drafting at a gain of 1.05 first caught up on 450 tokens, a 1.2 s tick every slot
-        waited on (docs/methods.md; docs/benchmarks-parallel.md, run 12)."""
+        waited on (docs/methods.md; docs/benchmarks-parallel.md, run 12). `k`: the model's planned length."""
         m = self.model_length
         cost = self.model.unseen(context) * m.costs.draft
         if not cost:
             return True
-        k = m.planned()
         if not k:  # a probe, if any
             return cost <= m.probe_every * m.costs.verify[0]
         rate = m.costs.expected_rate  # tokens a second: the whole batch's, where other slots share it
