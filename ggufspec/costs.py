@@ -36,8 +36,9 @@ class CostModel:
     """verify[n-1]: seconds for the target to decode n tokens with all logits; draft: one draft token;
     long_verify[i]: a batch of long_sizes[i] tokens (sizes past verify's; between them, interpolated);
     draft_batches[i]: a draft batch of draft_sizes[i] tokens (a pool's slots drafting together), one each;
-    slot_verify[w-1]: a batch of w tokens in each of `slots` sequences (a pool's steps; measure_together).
-    All but slot_verify are one sequence's tokens, as measure() times them."""
+    slot_verify[w-1]: a batch of w tokens in each of `slots` sequences (a pool's steps; measure_together);
+    shapes[(seqs, w)]: a micro-batch of w tokens in each of fewer sequences, as the pool's ticks ran it (observe).
+    All but slot_verify and shapes are one sequence's tokens, as measure() times them."""
 
     verify: list[float]
     draft: float
@@ -47,12 +48,14 @@ class CostModel:
     draft_batches: list[float] = field(default_factory=list)
     slots: int = 0
     slot_verify: list[float] = field(default_factory=list)
+    shapes: dict[tuple[int, int], float] = field(default_factory=dict)  # learned in use, never cached
 
     def copy(self) -> CostModel:
         """An independent copy, of the same class (a subclass may price or learn differently)."""
         return replace(self, verify=list(self.verify), long_sizes=list(self.long_sizes),
                        long_verify=list(self.long_verify), draft_sizes=list(self.draft_sizes),
-                       draft_batches=list(self.draft_batches), slot_verify=list(self.slot_verify))
+                       draft_batches=list(self.draft_batches), slot_verify=list(self.slot_verify),
+                       shapes=dict(self.shapes))
 
     @property
     def shared(self) -> bool:
@@ -79,7 +82,12 @@ class CostModel:
         the sequences; else priced by its tokens. llama.cpp computes several sequences' tokens with other kernels
         than one sequence's as many (on the AMX Xeon 8 slots' tokens took 232 ms, one sequence's 8 353; 5 slots'
         2 tokens and 2 slots' 2, two passes, took 458 to 517 ms where every slot's 2 took 370, and priced as one
-        sequence's 10 and 4 tokens they were not padded into one pass: docs/benchmarks-parallel.md, run 10)."""
+        sequence's 10 and 4 tokens they were not padded into one pass: docs/benchmarks-parallel.md, run 10).
+        A shape the pool's ticks ran is priced as they took (`shapes`): on that Xeon 2 slots' tokens took 1.6
+        decodes, priced 1.2 so, and 4 slots' 1.2 (docs/benchmarks-parallel.md, run 15)."""
+        learned = self.shapes.get((seqs, each))
+        if learned is not None:
+            return learned
         if 1 < seqs <= self.slots and each <= len(self.slot_verify):
             every, one = self.slot_verify[each - 1], self.batch_seconds(each)
             return every if seqs == self.slots else one + (every - one) * (seqs - 1) / (self.slots - 1)
@@ -140,7 +148,7 @@ class CostModel:
         """Move toward what one step really cost: the batch size seen at `weight`, the others at half of it
         (after a plain step: every size and the draft at `weight`), the draft at `weight` per decode, each of its
         decodes a batch of `draft_width` tokens (other slots' too, in a pool), every draft size alike. A batch of
-        `verify_seqs` sequences' tokens teaches only the slots' shape it ran as (micro_seconds), if it is one.
+        `verify_seqs` sequences' tokens teaches only the shape it ran as (micro_seconds), if it is a step's.
 
         A model measured while the machine was busy (or cached from another load) corrects itself in use.
         Plain steps scale every cost alike: they slow down as the context grows (the draft's too), and
@@ -149,8 +157,8 @@ class CostModel:
         """
         if verify_s > 0 and verify_seqs > 1:
             each = n_verify // verify_seqs
-            if verify_seqs == self.slots and each * verify_seqs == n_verify and each <= len(self.slot_verify):
-                self.slot_verify[each - 1] *= (verify_s / self.slot_verify[each - 1]) ** weight
+            if each * verify_seqs == n_verify and each <= len(self.verify):  # a step's shape, not a prompt's chunks
+                self._learn_shape(verify_seqs, each, verify_s, weight)
         elif verify_s > 0 and n_verify > len(self.verify) and self.long_sizes:
             # only a measured size learns, from a batch of its own size: between sizes the price is not smooth (on
             # the AMX Xeon 7 tokens cost more than 8), and 7 slots' batches priced 8 a third over its cost
@@ -168,6 +176,15 @@ class CostModel:
         if draft_decodes:
             seen = draft_s / draft_decodes / self.draft_seconds(draft_width)
             self._scale_draft(1 + (1 - (1 - weight) ** draft_decodes) * (seen - 1))
+
+    def _learn_shape(self, seqs: int, each: int, seconds: float, weight: float) -> None:
+        """A micro-batch of `each` tokens in each of `seqs` sequences took `seconds`: that shape's price alone moves
+        toward it (every slot's measured one, or fewer slots' from what micro_seconds priced it at)."""
+        if seqs == self.slots and each <= len(self.slot_verify):
+            self.slot_verify[each - 1] *= (seconds / self.slot_verify[each - 1]) ** weight
+        else:
+            seen = self.micro_seconds(seqs, each)
+            self.shapes[seqs, each] = seen * (seconds / seen) ** weight
 
     def _scale_draft(self, factor: float) -> None:
         self.draft *= factor
@@ -228,6 +245,7 @@ class SharedBatch(CostModel):
     draft_batches = property(lambda self: self.base.draft_batches)
     slots = property(lambda self: self.base.slots)
     slot_verify = property(lambda self: self.base.slot_verify)
+    shapes = property(lambda self: self.base.shapes)
 
     @property
     def shared(self) -> bool:
@@ -394,12 +412,12 @@ def check_costs(entry: object, k_max: int, long_sizes: Sequence[int] = LONG_BATC
 
     verify: k_max + 1 seconds; draft: seconds or 0 (no draft model); long_sizes: what measure() takes of
     `long_sizes` (the sizes past verify's, up to those that fit), with one long_verify time each (both may be
-    missing); no pool's batches (draft_sizes and slots: a pool measures them at each load). Seconds are finite
-    floats above 0: prices divide by them and interpolate between the sizes."""
+    missing); no pool's batches (draft_sizes, slots, shapes: a pool measures or learns them at each load).
+    Seconds are finite floats above 0: prices divide by them and interpolate between the sizes."""
     if not isinstance(entry, dict):
         return f"expected an object, found {_json_type(entry)}"
     unknown = sorted(set(entry) - {"verify", "draft", "long_sizes", "long_verify", "draft_sizes", "draft_batches",
-                                   "slots", "slot_verify"})
+                                   "slots", "slot_verify", "shapes"})
     if unknown:
         return f"unknown fields: {', '.join(unknown)}"
     verify, draft = entry.get("verify"), entry.get("draft")
@@ -413,9 +431,9 @@ def check_costs(entry: object, k_max: int, long_sizes: Sequence[int] = LONG_BATC
         return f"long_sizes: expected the first sizes of {longs}"
     if not (isinstance(secs, list) and len(secs) == len(sizes) and all(map(_seconds, secs))):
         return f"long_verify: expected {len(sizes)} positive numbers, one per long size"
-    if entry.get("slots", 0) != 0 or any(entry.get(name, []) != [] for name in ("draft_sizes", "draft_batches",
-                                                                               "slot_verify")):
-        return "a pool's batches (draft_sizes, draft_batches, slots, slot_verify): expected none"
+    if entry.get("slots", 0) != 0 or entry.get("shapes", {}) != {} or any(
+            entry.get(name, []) != [] for name in ("draft_sizes", "draft_batches", "slot_verify")):
+        return "a pool's batches (draft_sizes, draft_batches, slots, slot_verify, shapes): expected none"
     return None
 
 

@@ -432,8 +432,29 @@ def test_a_pool_s_steps_are_priced_by_their_shape_as_measured_together() -> None
     learned.observe(16, 0.40, 0, 0.0, verify_seqs=8)
     assert learned.slot_verify[1] > 0.372 and learned.long_verify == pool.long_verify and learned.verify == pool.verify
     learned = pool.copy()
-    learned.observe(7, 0.40, 0, 0.0, verify_seqs=7)  # 7 slots' tokens: no measured shape
-    assert learned == pool
+    learned.observe(7, 0.40, 0, 0.0, verify_seqs=7)  # 7 slots' tokens: that shape alone, from its interpolated price
+    seen = pool.micro_seconds(7, 1)
+    assert learned.shapes == {(7, 1): pytest.approx(seen * (0.40 / seen) ** 0.2)} and pool.shapes == {}
+    assert learned.slot_verify == pool.slot_verify and learned.verify == pool.verify
+    assert learned.micro_seconds(6, 1) == pool.micro_seconds(6, 1)
+    learned.observe(2 * 128, 4.0, 0, 0.0, verify_seqs=2)  # two prompts' chunks: no step's shape
+    assert learned.shapes.keys() == {(7, 1)}
+
+
+def test_fewer_slots_shapes_are_priced_as_their_ticks_ran() -> None:
+    """On the AMX Xeon 2 slots' tokens took 1.6 decodes, priced 1.2 between one sequence's and every slot's, so two
+    slots drafting a token each priced about even with their plain steps and did not draft: two clients made no
+    more than plain batching (docs/benchmarks-parallel.md, run 15). Their ticks teach that shape its price."""
+    pool = replace(XEON_POOL, slots=8, slot_verify=[0.232, 0.372, 0.50], draft_sizes=[8], draft_batches=[0.0392],
+                   shapes={})
+    length = AdaptiveLength(SharedBatch(pool, [1, 1], lane=0, follow=True), 4)
+    length.acceptance = [0.7] * 4
+    assert length.planned() == 0
+    for _ in range(20):
+        length.update(0, 0, Timing(0.167, 2, verify_seqs=2))  # plain steps of the two slots, in one pass
+    assert pool.micro_seconds(2, 1) == pytest.approx(0.167, rel=0.02) and pool.shapes.keys() == {(2, 1)}
+    length.costs = SharedBatch(pool, [1, 1], lane=0, follow=True)  # the next step's prices
+    assert length.planned() == 1
 
 
 def test_a_lookup_guess_is_priced_beside_the_others_next_steps_not_their_last_chains() -> None:

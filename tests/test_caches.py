@@ -133,9 +133,10 @@ def test_a_cached_entry_holds_no_pool_s_batches(decoders, measured) -> None:
     refused and measured again."""
     plain = costs_module.cached_measure(*decoders, K_MAX)
     assert plain.draft_sizes == [] and plain.slots == 0 and check_costs(asdict(plain), K_MAX) is None
-    for pool in ({"draft_sizes": [4], "draft_batches": [0.01]}, {"slots": 4, "slot_verify": [0.1]}):
+    for pool in ({"draft_sizes": [4], "draft_batches": [0.01]}, {"slots": 4, "slot_verify": [0.1]},
+                 {"shapes": {"(2, 1)": 0.1}}):
         assert check_costs({**asdict(plain), **pool}, K_MAX) == (
-            "a pool's batches (draft_sizes, draft_batches, slots, slot_verify): expected none")
+            "a pool's batches (draft_sizes, draft_batches, slots, slot_verify, shapes): expected none")
 
 
 def test_a_measured_entry_passes_the_check(decoders, measured) -> None:
