@@ -83,8 +83,8 @@ class CostModel:
         than one sequence's as many (on the AMX Xeon 8 slots' tokens took 232 ms, one sequence's 8 353; 5 slots'
         2 tokens and 2 slots' 2, two passes, took 458 to 517 ms where every slot's 2 took 370, and priced as one
         sequence's 10 and 4 tokens they were not padded into one pass: docs/benchmarks-parallel.md, run 10).
-        A shape the pool's ticks ran is priced as they took (`shapes`): on that Xeon 2 slots' tokens took 1.6
-        decodes, priced 1.2 so, and 4 slots' 1.2 (docs/benchmarks-parallel.md, run 15)."""
+        A shape the pool's ticks ran is priced as they took (`shapes`): on that Xeon 2 slots' tokens took 147 ms a
+        tick, priced 112 so, and their 2 tokens each 145, priced 194 (docs/benchmarks-parallel.md, run 16)."""
         learned = self.shapes.get((seqs, each))
         if learned is not None:
             return learned

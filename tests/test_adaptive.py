@@ -442,17 +442,17 @@ def test_a_pool_s_steps_are_priced_by_their_shape_as_measured_together() -> None
 
 
 def test_fewer_slots_shapes_are_priced_as_their_ticks_ran() -> None:
-    """On the AMX Xeon 2 slots' tokens took 1.6 decodes, priced 1.2 between one sequence's and every slot's, so two
-    slots drafting a token each priced about even with their plain steps and did not draft: two clients made no
-    more than plain batching (docs/benchmarks-parallel.md, run 15). Their ticks teach that shape its price."""
+    """On the AMX Xeon 2 slots' tokens took 147 ms a tick, priced 112 between one sequence's and every slot's, and
+    their 2 tokens each 145, priced 194: two slots drafting a token each priced below their plain steps and never
+    drafted (docs/benchmarks-parallel.md, run 16). The ticks teach each shape its own price."""
     pool = replace(XEON_POOL, slots=8, slot_verify=[0.232, 0.372, 0.50], draft_sizes=[8], draft_batches=[0.0392],
                    shapes={})
     length = AdaptiveLength(SharedBatch(pool, [1, 1], lane=0, follow=True), 4)
     length.acceptance = [0.7] * 4
     assert length.planned() == 0
     for _ in range(20):
-        length.update(0, 0, Timing(0.167, 2, verify_seqs=2))  # plain steps of the two slots, in one pass
-    assert pool.micro_seconds(2, 1) == pytest.approx(0.167, rel=0.02) and pool.shapes.keys() == {(2, 1)}
+        length.update(0, 0, Timing(0.147, 2, verify_seqs=2))  # plain steps of the two slots, in one pass
+    assert pool.micro_seconds(2, 1) == pytest.approx(0.147, rel=0.02) and pool.shapes.keys() == {(2, 1)}
     length.costs = SharedBatch(pool, [1, 1], lane=0, follow=True)  # the next step's prices
     assert length.planned() == 1
 
