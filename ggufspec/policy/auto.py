@@ -139,7 +139,7 @@ class AutoPolicy:
         self.source = self._proposed = None
         if k <= 0:
             return PLAIN
-        # the draft model's length is priced once a step (planning it is most of a busy slot's Python time)
+        # the draft model's length, priced once a step: _catch_up_pays and choose take it from here
         planned = self.price_at(len(context))
         self._judge_unverified(context)
         guess = self.lookup.find(context, k)
