@@ -76,17 +76,18 @@ class AutoPolicy:
         # others' last ones, two slots swapped turns, each evening the other's last batch into a new uneven one
         # (docs/benchmarks-parallel.md, run 5)
         steps = max(self.lanes) <= self.k_max + 1
-        k, planned = 0, None
+        planned = None
         if self.model_length is not None and steps:
             records = (self.slot_records or {}).copy()  # one call under the GIL: other slots' threads add to it
             fellows = {i: r.acceptance for i, r in records.items() if i != self.lane}
             self.model_length.costs = SharedBatch(costs, self.lanes, self.lane, follow=True, fellows=fellows)
-            k = planned = self.model_length.planned()
+            planned = self.model_length.planned()
         # Lookup's guesses are priced beside the others' steps as the draft model's shared choice makes them (k + 1
         # tokens each, or 1), not as their last chains: those were lookup's guesses too, which rarely continue in
         # step, and a chain priced as evening them out ran, beside plain steps, as a micro-batch of its own; at 8
         # slots that drafting cost a fifth more target time than plain batching (docs/benchmarks-parallel.md, run 8).
         # A prompt's chunk stays (the next one follows it).
+        k = planned or 0
         lanes = [n if i == self.lane or n > self.k_max + 1 else (k + 1 if n else 0) for i, n in enumerate(self.lanes)]
         shared = SharedBatch(costs, lanes, self.lane)
         for length in self._records:
