@@ -202,6 +202,11 @@ def padded_seconds(lanes: Sequence[int], seconds: Price, longest: int) -> float:
 
 
 def _cheapest(lanes: Sequence[int], seconds: Price, longest: int) -> tuple[tuple[int, ...], float]:
+    first = lanes[0] if lanes else 0
+    if first and lanes.count(first) == len(lanes):
+        # every sequence with as many tokens: one micro-batch, nothing to pad (what the search below finds too; `auto`
+        # prices every busy slot drafting alike this way, several lengths a slot and step)
+        return tuple(lanes), seconds(len(lanes), first)
     best, cheapest = tuple(lanes), sum(seconds(*shape) for shape in _micro_shapes(tuple(lanes)))
     steps = max(lanes, default=0) <= longest  # no prompt's chunk: idle sequences may be padded too
     for m in sorted({n for n in lanes if 0 < n <= longest}):
