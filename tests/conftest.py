@@ -28,6 +28,16 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
+# GGUFSPEC_TEST_GPU_LAYERS=-1 (or N) opens every decoder whose test does not choose its GPU layers with that many, so
+# the exactness tests check a CUDA or Metal build's kernels too. Commands the tests start stay on the CPU.
+if os.environ.get("GGUFSPEC_TEST_GPU_LAYERS"):
+    _GPU_LAYERS, _plain_init = int(os.environ["GGUFSPEC_TEST_GPU_LAYERS"]), DecoderOptions.__init__
+
+    def _init_on_gpu(self, *args, n_gpu_layers: int = _GPU_LAYERS, **kwargs) -> None:
+        _plain_init(self, *args, n_gpu_layers=n_gpu_layers, **kwargs)
+
+    DecoderOptions.__init__ = _init_on_gpu
+
 REPO = Path(__file__).resolve().parents[1]
 SMOLLM2 = Path(os.environ.get("GGUFSPEC_TEST_MODEL", REPO / ".cache" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"))
 TINY = TinyConfig()
