@@ -30,11 +30,11 @@ if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) is signal.SIG_I
 
 # GGUFSPEC_TEST_GPU_LAYERS=-1 (or N) opens every decoder whose test does not choose its GPU layers with that many, so
 # the exactness tests check a CUDA or Metal build's kernels too. Commands the tests start stay on the CPU.
-if os.environ.get("GGUFSPEC_TEST_GPU_LAYERS"):
-    if not os.environ["GGUFSPEC_TEST_GPU_LAYERS"].lstrip("-").isdigit():
-        raise pytest.UsageError(f"GGUFSPEC_TEST_GPU_LAYERS takes a number of layers (-1: all), got "
-                                f"{os.environ['GGUFSPEC_TEST_GPU_LAYERS']!r}")
-    _GPU_LAYERS, _plain_init = int(os.environ["GGUFSPEC_TEST_GPU_LAYERS"]), DecoderOptions.__init__
+if _GPU_ENV := os.environ.get("GGUFSPEC_TEST_GPU_LAYERS"):
+    try:
+        _GPU_LAYERS, _plain_init = int(_GPU_ENV), DecoderOptions.__init__
+    except ValueError:
+        raise pytest.UsageError(f"GGUFSPEC_TEST_GPU_LAYERS takes a number of layers (-1: all), got {_GPU_ENV!r}") from None
 
     def _init_on_gpu(self, *args, n_gpu_layers: int = _GPU_LAYERS, **kwargs) -> None:
         _plain_init(self, *args, n_gpu_layers=n_gpu_layers, **kwargs)
