@@ -34,7 +34,8 @@ if _GPU_ENV := os.environ.get("GGUFSPEC_TEST_GPU_LAYERS"):
     try:
         _GPU_LAYERS, _plain_init = int(_GPU_ENV), DecoderOptions.__init__
     except ValueError:
-        raise pytest.UsageError(f"GGUFSPEC_TEST_GPU_LAYERS takes a number of layers (-1: all), got {_GPU_ENV!r}") from None
+        raise pytest.UsageError(f"GGUFSPEC_TEST_GPU_LAYERS takes a number of layers (-1: all), "
+                                f"got {_GPU_ENV!r}") from None
 
     def _init_on_gpu(self, *args, n_gpu_layers: int = _GPU_LAYERS, **kwargs) -> None:
         _plain_init(self, *args, n_gpu_layers=n_gpu_layers, **kwargs)
