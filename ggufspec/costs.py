@@ -49,6 +49,7 @@ class CostModel:
     slots: int = 0
     slot_verify: list[float] = field(default_factory=list)
     shapes: dict[tuple[int, int], float] = field(default_factory=dict)  # learned in use, never cached
+    _tick = -1  # the last shared batch whose price was learned (observe); not a field: never cached or copied
 
     def copy(self) -> CostModel:
         """An independent copy, of the same class (a subclass may price or learn differently)."""
@@ -144,18 +145,39 @@ class CostModel:
         return max(ks, key=lambda k: self.rate(k, tokens[k], free))
 
     def observe(self, n_verify: int, verify_s: float, draft_decodes: int, draft_s: float, weight: float = 0.2,
-                draft_width: int = 1, verify_seqs: int = 1) -> None:
+                draft_width: int = 1, verify_seqs: int = 1, verify_shapes: Sequence[tuple[int, int]] = (),
+                tick: int = -1) -> None:
         """Move toward what one step really cost: the batch size seen at `weight`, the others at half of it
         (after a plain step: every size and the draft at `weight`), the draft at `weight` per decode, each of its
         decodes a batch of `draft_width` tokens (other slots' too, in a pool), every draft size alike. A batch of
-        `verify_seqs` sequences' tokens teaches only the shape it ran as (micro_seconds), if it is a step's.
+        `verify_seqs` sequences' tokens teaches only the shape it ran as (micro_seconds), if it is a step's; one
+        that ran in several micro-batches (`verify_shapes`, `verify_s` their total) teaches each of their shapes by
+        how far their priced sum was off, if all are steps'. Unlearned, a batch the pool ran unpadded because its
+        price was below the padded one's kept that price: logged at 8 clients, 7 slots' plain tokens beside an
+        idle slot ran in two passes tick after tick, 300-438 ms each, where padded to 8 they had taken 238-347
+        (docs/benchmarks-parallel.md, run 19).
+
+        A shared batch (`tick`: its number, which every slot's step in it reports) teaches its price once: learned
+        from each of 8 slots at weight 0.2, one slow tick moved a price 0.83 of the way to its time, and the pool
+        drafted for 185 ticks on that one price (docs/benchmarks-parallel.md, run 20).
 
         A model measured while the machine was busy (or cached from another load) corrects itself in use.
         Plain steps scale every cost alike: they slow down as the context grows (the draft's too), and
         taking that as batches or drafts getting relatively cheaper would switch drafting on where it
         does not pay.
         """
-        if verify_s > 0 and verify_seqs > 1:
+        if tick >= 0:
+            with _TICKS:  # the slots' threads observe their shared tick at once
+                if tick == self._tick:
+                    verify_s = 0.0
+                self._tick = tick
+        if verify_s > 0 and len(verify_shapes) > 1:
+            if all(each <= len(self.verify) for _, each in verify_shapes):  # steps' shapes, not a prompt's chunks
+                priced = {shape: self.micro_seconds(*shape) for shape in verify_shapes}
+                off = verify_s / sum(self.micro_seconds(*shape) for shape in verify_shapes)
+                for (seqs, each), seconds in priced.items():
+                    self._learn_shape(seqs, each, seconds * off, weight)
+        elif verify_s > 0 and verify_seqs > 1:
             each = n_verify // verify_seqs
             if each * verify_seqs == n_verify and each <= len(self.verify):  # a step's shape, not a prompt's chunks
                 self._learn_shape(verify_seqs, each, verify_s, weight)
@@ -189,6 +211,9 @@ class CostModel:
     def _scale_draft(self, factor: float) -> None:
         self.draft *= factor
         self.draft_batches = [s * factor for s in self.draft_batches]
+
+
+_TICKS = threading.Lock()  # CostModel.observe: a shared tick's first observer learns it, atomically
 
 
 def _between(sizes: Sequence[int], secs: Sequence[float], n: int) -> float:

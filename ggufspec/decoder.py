@@ -44,6 +44,7 @@ class Decoder(Protocol):
     # and its own sequence id there; () and 0 on a context of its own
     lanes: tuple[int, ...]
     lane: int
+    tick: int  # a slot's last decode's batch number (lockstep.Submission.tick), -1 on a context of its own
     peers: int  # a slot's: the other slots generating in its context now
 
     def feed(self, tokens: Sequence[int], all_logits: bool = True, view: bool = False) -> np.ndarray:
@@ -300,6 +301,7 @@ class LlamaCppDecoder:
         self.n_decoded_tokens = 0
         self.n_batched_tokens = 0
         self.lanes: tuple[int, ...] = ()
+        self.tick = -1
         self._n_out = 0  # rows of hidden states the last decode computed
         self._hidden_on = opts.embeddings
         self._abort_on = False  # llama_log.abort_check installed: see ABORTABLE_BATCH
@@ -356,7 +358,7 @@ class LlamaCppDecoder:
         view.history, view._deferred, view._tree, view._tree_pre = [], [], None, []
         view.shift_keep, view.n_shifts, view.decode_seconds, view.n_decodes = None, 0, 0.0, 0
         view.n_decoded_tokens = view.n_batched_tokens = 0
-        view.lanes = ()
+        view.lanes, view.tick = (), -1
         view._n_out = view._skip = 0
         view._unrecorded = False
         return view
@@ -392,7 +394,7 @@ class LlamaCppDecoder:
             self.n_decodes += 1
             self.n_decoded_tokens += len(tokens)
             self.n_batched_tokens += sub.batch
-            self.lanes = sub.lanes
+            self.lanes, self.tick = sub.lanes, sub.tick
         self._sub = sub
         return sub.rc
 

@@ -43,6 +43,7 @@ class Submission:
     batch: int = 0  # tokens in the whole batch, every member's
     done: bool = False  # its batch has run
     lanes: tuple[int, ...] = ()  # (max seq id + 1,) the whole batch's tokens per sequence id (first id of each member)
+    tick: int = -1  # the batch's number (Lockstep.n_ticks as it ran): every member's the same, so it is learned once
 
 
 class Runner(Protocol):
@@ -157,7 +158,7 @@ class Lockstep:
                         seconds = time.perf_counter() - t0
                         self.decode_seconds += seconds
                         for s in subs:
-                            s.seconds, s.batch, s.lanes = seconds, sum(shape), shape
+                            s.seconds, s.batch, s.lanes, s.tick = seconds, sum(shape), shape, self.n_ticks
                     self.n_ticks += 1
                 finally:
                     for _, subs in running.values():

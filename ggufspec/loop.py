@@ -49,7 +49,9 @@ def _timing(verdict: Verdict, after: Counters | None, before: Counters | None) -
     batch = max(verdict.shared, verdict.batch)
     shapes = micro_shapes(verdict.lanes) if verdict.lanes else [(1, batch)]  # a context of its own: one pass
     passes, seqs = len(shapes), shapes[0][0] if shapes else 1
+    split = tuple(shapes) if passes > 1 else ()
     if after is None or before is None:
-        return Timing(verdict.seconds, batch, verify_passes=passes, verify_seqs=seqs)
+        return Timing(verdict.seconds, batch, verify_passes=passes, verify_seqs=seqs, verify_shapes=split,
+                      verify_tick=verdict.tick)
     return Timing(verdict.seconds, batch, after.seconds - before.seconds, after.decodes - before.decodes,
-                  after.decoded - before.decoded, passes, after.batched - before.batched, seqs)
+                  after.decoded - before.decoded, passes, after.batched - before.batched, seqs, split, verdict.tick)

@@ -36,6 +36,7 @@ class Verdict:
     shared: int = 0  # tokens of the whole batches `seconds` timed: `batch`, plus other slots' in a shared context
     lanes: tuple[int, ...] = ()  # a shared context's batch: tokens per sequence id (lockstep.Submission.lanes)
     lane: int = 0  # this pass's sequence id in `lanes`
+    tick: int = -1  # a shared context's batch: its number, the same in every slot's verdict (lockstep.Submission.tick)
 
     @property
     def kept(self) -> int:
@@ -148,7 +149,7 @@ class Verifier:
         if draft.tree is not None:
             self.deferred = t.commit_tree_path(path)
         return Verdict(tokens, draft.depth, t.decode_seconds - seconds, t.n_decoded_tokens - decoded, self.deferred,
-                       hidden, t.n_batched_tokens - batched, t.lanes, t.lane)
+                       hidden, t.n_batched_tokens - batched, t.lanes, t.lane, t.tick)
 
     def _chain(self, last: int, draft: Draft) -> list[int]:
         t, params, drafts = self.target, self.params, draft.tokens

@@ -457,6 +457,46 @@ def test_fewer_slots_shapes_are_priced_as_their_ticks_ran() -> None:
     assert length.planned() == 1
 
 
+def test_a_tick_of_several_passes_teaches_each_shape_by_how_far_their_sum_was_off() -> None:
+    """7 slots' plain tokens beside an idle slot run in two passes, (3, 1) and (4, 1): unlearned, a price that made
+    that look cheaper than padding to 8 was never corrected, and the pool ran it tick after tick at 300-438 ms where
+    padded ticks took 238-347 (docs/benchmarks-parallel.md, run 19). A prompt's chunk among the passes teaches
+    nothing: micro_batches does not price llama.cpp's cuts at n_ubatch."""
+    pool = replace(XEON_POOL, slots=8, slot_verify=[0.232, 0.372, 0.50], shapes={(3, 1): 0.09, (4, 1): 0.10})
+    lanes = [1, 1, 1, 0, 1, 1, 1, 1]
+    assert even_lanes(lanes, pool.micro_seconds, 5) == tuple(lanes)  # two passes priced 0.19, one of 8: 0.232
+    length = AdaptiveLength(pool, 4)
+    for _ in range(10):  # the two passes take 0.33 s a tick
+        length.update(0, 0, Timing(0.33, 7, verify_passes=2, verify_shapes=tuple(micro_shapes(lanes))))
+    assert pool.shapes[3, 1] / pool.shapes[4, 1] == pytest.approx(0.9)  # each moved alike, toward the sum's time
+    assert pool.shapes[3, 1] + pool.shapes[4, 1] > 0.3 and pool.slot_verify[0] == 0.232
+    assert even_lanes(lanes, pool.micro_seconds, 5) == (1,) * 8  # the idle slot is padded now
+    chunk = Timing(2.0, 71, verify_passes=2, verify_shapes=tuple(micro_shapes([1, 1, 1, 68])))
+    learned = dict(pool.shapes)
+    length.update(0, 0, chunk)
+    assert pool.shapes == learned
+
+
+def test_a_shared_tick_is_learned_once_however_many_slots_report_it() -> None:
+    """Every slot's step in a shared batch reports the batch: learned from each of 8 slots at weight 0.2, one slow
+    tick of 626 ms moved the price of 8 slots' tokens from about 290 ms to 540, and all drafted on that one price
+    for 185 ticks (docs/benchmarks-parallel.md, run 20). The batch's number (`tick`) makes it one observation."""
+    pool = replace(XEON_POOL, slots=8, slot_verify=[0.29, 0.40, 0.50])
+    slots = [AutoPolicy(pool, 4, model=True) for _ in range(8)]
+    for lane, auto in enumerate(slots):  # tick 5: all 8 slots' plain tokens, 626 ms
+        auto.source = auto.model_length
+        auto.observe(PLAIN, NO_DRAFT, Verdict([0], 0, 0.626, 1, 0, shared=8, lanes=(1,) * 8, lane=lane, tick=5),
+                     Timing(0.626, 8, verify_seqs=8, verify_tick=5))
+    assert pool.slot_verify[0] == pytest.approx(0.29 * (0.626 / 0.29) ** 0.2)  # one step of 0.2, not eight
+    slots[0].observe(PLAIN, NO_DRAFT, Verdict([0], 0, 0.29, 1, 0, shared=8, lanes=(1,) * 8, lane=0, tick=6),
+                     Timing(0.29, 8, verify_seqs=8, verify_tick=6))  # the next tick teaches again
+    assert pool.slot_verify[0] == pytest.approx(0.29 * (0.626 / 0.29) ** 0.16)
+    alone = CostModel(verify=[0.05, 0.09], draft=0.01)  # a context of its own reports no tick: every step learns
+    for _ in range(2):
+        alone.observe(1, 0.1, 0, 0.0)
+    assert alone.verify[0] == pytest.approx(0.05 * 2 ** 0.36)  # 0.2 of the way, then 0.2 of what was left
+
+
 def test_a_lookup_guess_is_priced_beside_the_others_next_steps_not_their_last_chains() -> None:
     """Seven slots' last batch had other slots' lookup chains in it; they rarely go on in step, so a guess is priced
     beside the plain steps the draft model's shared choice (none, at 8 slots on this Xeon) makes of them: its chain

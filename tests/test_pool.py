@@ -170,7 +170,8 @@ def test_each_slot_sees_its_shared_batch_per_sequence(tiny_target) -> None:
     for t in threads:
         t.join(30)
     assert a.lanes == c.lanes == (1, 0, 3)
-    assert (a.lane, b.lane, c.lane) == (0, 1, 2)
+    assert a.tick == c.tick == 2 and b.tick == -1  # the third batch (after a's and c's syncs): the cost model learns
+    assert (a.lane, b.lane, c.lane) == (0, 1, 2)   # it once, whichever slot reports it first (CostModel.observe)
     assert a.n_batched_tokens - 8 == 4  # after its 8-token sync alone
     for d in (a, b, c):
         d.close()
@@ -237,6 +238,7 @@ def test_slots_verify_together_after_drafting(tiny_target, tiny_draft) -> None:
     _side_by_side(lockstep, drafting, plain)
     assert ta.lanes == tb.lanes == (3, 1)
     assert da.lanes == (1,)
+    assert ta.tick == tb.tick > da.tick  # one target batch, after the drafts
     for d in (ta, tb, da, db):
         d.close()
 

@@ -41,6 +41,9 @@ class Timing:
     verify_passes: int = 1  # the micro-batches a shared batch ran in: its seconds price one batch only when 1
     draft_batched: int = 0  # the tokens of the whole draft batches (other slots' too, in a pool)
     verify_seqs: int = 1  # the sequences whose tokens the target's pass ran (with verify_passes 1)
+    # with several passes, their shapes: (sequences, tokens each) per micro-batch, in the order they ran
+    verify_shapes: tuple[tuple[int, int], ...] = ()
+    verify_tick: int = -1  # a shared batch's number: every slot's step in it reports the same (lockstep.Submission)
 
 
 class Policy(Protocol):
