@@ -49,7 +49,8 @@ class CostModel:
     slots: int = 0
     slot_verify: list[float] = field(default_factory=list)
     shapes: dict[tuple[int, int], float] = field(default_factory=dict)  # learned in use, never cached
-    _tick = -1  # the last shared batch whose price was learned (observe); not a field: never cached or copied
+    # the last shared target and draft batches whose prices were learned (observe); not fields: never cached or copied
+    _tick = _draft_tick = -1
 
     def copy(self) -> CostModel:
         """An independent copy, of the same class (a subclass may price or learn differently)."""
@@ -146,7 +147,7 @@ class CostModel:
 
     def observe(self, n_verify: int, verify_s: float, draft_decodes: int, draft_s: float, weight: float = 0.2,
                 draft_width: int = 1, verify_seqs: int = 1, verify_shapes: Sequence[tuple[int, int]] = (),
-                tick: int = -1) -> None:
+                tick: int = -1, draft_tick: int = -1) -> None:
         """Move toward what one step really cost: the batch size seen at `weight`, the others at half of it
         (after a plain step: every size and the draft at `weight`), the draft at `weight` per decode, each of its
         decodes a batch of `draft_width` tokens (other slots' too, in a pool), every draft size alike. A batch of
@@ -159,7 +160,8 @@ class CostModel:
 
         A shared batch (`tick`: its number, which every slot's step in it reports) teaches its price once: learned
         from each of 8 slots at weight 0.2, one slow tick moved a price 0.83 of the way to its time, and the pool
-        drafted for 185 ticks on that one price (docs/benchmarks-parallel.md, run 20).
+        drafted for 185 ticks on that one price (docs/benchmarks-parallel.md, run 20). So do the draft batches of
+        slots drafting together (`draft_tick`: the step's last one).
 
         A model measured while the machine was busy (or cached from another load) corrects itself in use.
         Plain steps scale every cost alike: they slow down as the context grows (the draft's too), and
@@ -195,6 +197,11 @@ class CostModel:
             self.verify = [v * ratio ** (weight if i == n else others) for i, v in enumerate(self.verify)]
             if n == 0 and not draft_decodes:
                 self._scale_draft(ratio ** weight)
+        if draft_tick >= 0:
+            with _TICKS:
+                if draft_tick == self._draft_tick:
+                    draft_decodes = 0
+                self._draft_tick = draft_tick
         if draft_decodes:
             seen = draft_s / draft_decodes / self.draft_seconds(draft_width)
             self._scale_draft(1 + (1 - (1 - weight) ** draft_decodes) * (seen - 1))

@@ -53,5 +53,6 @@ def _timing(verdict: Verdict, after: Counters | None, before: Counters | None) -
     if after is None or before is None:
         return Timing(verdict.seconds, batch, verify_passes=passes, verify_seqs=seqs, verify_shapes=split,
                       verify_tick=verdict.tick)
-    return Timing(verdict.seconds, batch, after.seconds - before.seconds, after.decodes - before.decodes,
-                  after.decoded - before.decoded, passes, after.batched - before.batched, seqs, split, verdict.tick)
+    decodes = after.decodes - before.decodes
+    return Timing(verdict.seconds, batch, after.seconds - before.seconds, decodes, after.decoded - before.decoded,
+                  passes, after.batched - before.batched, seqs, split, verdict.tick, after.tick if decodes else -1)

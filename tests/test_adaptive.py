@@ -491,6 +491,9 @@ def test_a_shared_tick_is_learned_once_however_many_slots_report_it() -> None:
     slots[0].observe(PLAIN, NO_DRAFT, Verdict([0], 0, 0.29, 1, 0, shared=8, lanes=(1,) * 8, lane=0, tick=6),
                      Timing(0.29, 8, verify_seqs=8, verify_tick=6))  # the next tick teaches again
     assert pool.slot_verify[0] == pytest.approx(0.29 * (0.626 / 0.29) ** 0.16)
+    for _ in range(8):  # so does a draft batch of every slot's token: the draft's price moves once
+        pool.observe(0, 0.0, 1, 0.08, draft_width=8, draft_tick=4)
+    assert pool.draft_seconds(8) == pytest.approx(0.8 * XEON_POOL.draft_seconds(8) + 0.2 * 0.08)
     alone = CostModel(verify=[0.05, 0.09], draft=0.01)  # a context of its own reports no tick: every step learns
     for _ in range(2):
         alone.observe(1, 0.1, 0, 0.0)

@@ -44,6 +44,7 @@ class Timing:
     # with several passes, their shapes: (sequences, tokens each) per micro-batch, in the order they ran
     verify_shapes: tuple[tuple[int, int], ...] = ()
     verify_tick: int = -1  # a shared batch's number: every slot's step in it reports the same (lockstep.Submission)
+    draft_tick: int = -1  # the last draft batch's number, likewise (where the step drafted in a pool)
 
 
 class Policy(Protocol):

@@ -110,7 +110,8 @@ class AdaptiveLength:
             verify_s = t.verify_seconds if t.verify_passes == 1 or t.verify_shapes else 0.0
             width = round(t.draft_batched / decodes) if steps and t.draft_batched else 1  # slots drafting at once
             c.observe(t.verify_tokens or drafted + 1, verify_s, steps, draft_s, draft_width=width,
-                      verify_seqs=t.verify_seqs, verify_shapes=t.verify_shapes, tick=t.verify_tick)
+                      verify_seqs=t.verify_seqs, verify_shapes=t.verify_shapes, tick=t.verify_tick,
+                      draft_tick=t.draft_tick)
         if self._probing:  # back off unless the probe itself beat plain steps
             paid = (accepted + 1) * c.verify[0] >= spent
             self.probe_every = PROBE_EVERY if paid else min(2 * self.probe_every, PROBE_EVERY_MAX)
