@@ -178,7 +178,8 @@ class CostModel:
                 priced = {shape: self.micro_seconds(*shape) for shape in verify_shapes}
                 off = verify_s / sum(self.micro_seconds(*shape) for shape in verify_shapes)
                 for (seqs, each), seconds in priced.items():
-                    self._learn_shape(seqs, each, seconds * off, weight)
+                    if seqs > 1:  # one sequence's tokens are priced by `verify`, which learns from its own batches
+                        self._learn_shape(seqs, each, seconds * off, weight)
         elif verify_s > 0 and verify_seqs > 1:
             each = n_verify // verify_seqs
             if each * verify_seqs == n_verify and each <= len(self.verify):  # a step's shape, not a prompt's chunks

@@ -475,6 +475,10 @@ def test_a_tick_of_several_passes_teaches_each_shape_by_how_far_their_sum_was_of
     learned = dict(pool.shapes)
     length.update(0, 0, chunk)
     assert pool.shapes == learned
+    # one slot's 3-token chain beside 3 plain steps: (4, 1) then (1, 2), the 4 slots' tokens learn; one
+    # sequence's 2 stay priced by `verify`
+    length.update(0, 0, Timing(0.5, 6, verify_passes=2, verify_shapes=tuple(micro_shapes([1, 1, 1, 3]))))
+    assert pool.shapes.keys() == {(3, 1), (4, 1)} and pool.shapes[4, 1] > learned[4, 1]
 
 
 def test_a_shared_tick_is_learned_once_however_many_slots_report_it() -> None:
