@@ -130,6 +130,7 @@ class MemoDecoder:
 
     # the proposer's counters read them: nothing is timed
     decode_seconds, n_decodes, n_decoded_tokens, n_batched_tokens = 0.0, 0, 0, 0
+    tick = -1  # a context of its own: no shared batch
 
     def __init__(self, decoder) -> None:
         self.d, self.n_vocab, self.history, self._memo = decoder, decoder.n_vocab, [], {}
