@@ -183,7 +183,9 @@ class CostModel:
         elif verify_s > 0 and verify_seqs > 1:
             each = n_verify // verify_seqs
             if each * verify_seqs == n_verify and each <= len(self.verify):  # a step's shape, not a prompt's chunks
-                self._learn_shape(verify_seqs, each, verify_s, weight)
+                moved = self._learn_shape(verify_seqs, each, verify_s, weight)
+                if each == 1 and verify_seqs == self.slots and not draft_decodes:
+                    self._scale_slots(moved)  # every slot's plain tokens: as measured, the chains and the draft alike
         elif verify_s > 0 and n_verify > len(self.verify) and self.long_sizes:
             # only a measured size learns, from a batch of its own size: between sizes the price is not smooth (on
             # the AMX Xeon 7 tokens cost more than 8), and 7 slots' batches priced 8 a third over its cost
@@ -207,14 +209,28 @@ class CostModel:
             seen = draft_s / draft_decodes / self.draft_seconds(draft_width)
             self._scale_draft(1 + (1 - (1 - weight) ** draft_decodes) * (seen - 1))
 
-    def _learn_shape(self, seqs: int, each: int, seconds: float, weight: float) -> None:
+    def _learn_shape(self, seqs: int, each: int, seconds: float, weight: float) -> float:
         """A micro-batch of `each` tokens in each of `seqs` sequences took `seconds`: that shape's price alone moves
-        toward it (every slot's measured one, or fewer slots' from what micro_seconds priced it at)."""
+        toward it (every slot's measured one, or fewer slots' from what micro_seconds priced it at). Returns the
+        factor it moved by."""
         if seqs == self.slots and each <= len(self.slot_verify):
-            self.slot_verify[each - 1] *= (seconds / self.slot_verify[each - 1]) ** weight
+            factor = (seconds / self.slot_verify[each - 1]) ** weight
+            self.slot_verify[each - 1] *= factor
         else:
             seen = self.micro_seconds(seqs, each)
-            self.shapes[seqs, each] = seen * (seconds / seen) ** weight
+            factor = (seconds / seen) ** weight
+            self.shapes[seqs, each] = seen * factor
+        return factor
+
+    def _scale_slots(self, factor: float) -> None:
+        """Every slot's plain tokens moved by `factor`: their chains' measured prices and the draft's move alike, as
+        one sequence's plain steps move every size (observe). Moved alone, 8 slots' plain price rose with their
+        contexts while their 2-token chains kept the start-up price: at 8 clients and temperature 0.7 slots that
+        began beside 7 others prefilled the draft model, 11.5 s of draft ticks in a 190 s run, and the pool drafted
+        where plain batching paid (docs/benchmarks-parallel.md, run 24). (Fewer slots' shapes are not moved so: their
+        first ticks correct an interpolated price, which says nothing of the others'.)"""
+        self.slot_verify[1:] = [v * factor for v in self.slot_verify[1:]]
+        self._scale_draft(factor)
 
     def _scale_draft(self, factor: float) -> None:
         self.draft *= factor

@@ -492,16 +492,40 @@ def test_a_shared_tick_is_learned_once_however_many_slots_report_it() -> None:
         auto.observe(PLAIN, NO_DRAFT, Verdict([0], 0, 0.626, 1, 0, shared=8, lanes=(1,) * 8, lane=lane, tick=5),
                      Timing(0.626, 8, verify_seqs=8, verify_tick=5))
     assert pool.slot_verify[0] == pytest.approx(0.29 * (0.626 / 0.29) ** 0.2)  # one step of 0.2, not eight
+    assert pool.slot_verify[1] / pool.slot_verify[0] == pytest.approx(0.40 / 0.29)  # its chains alike
     slots[0].observe(PLAIN, NO_DRAFT, Verdict([0], 0, 0.29, 1, 0, shared=8, lanes=(1,) * 8, lane=0, tick=6),
                      Timing(0.29, 8, verify_seqs=8, verify_tick=6))  # the next tick teaches again
     assert pool.slot_verify[0] == pytest.approx(0.29 * (0.626 / 0.29) ** 0.16)
+    before = pool.draft_seconds(8)
     for _ in range(8):  # so does a draft batch of every slot's token: the draft's price moves once
         pool.observe(0, 0.0, 1, 0.08, draft_width=8, draft_tick=4)
-    assert pool.draft_seconds(8) == pytest.approx(0.8 * XEON_POOL.draft_seconds(8) + 0.2 * 0.08)
+    assert pool.draft_seconds(8) == pytest.approx(0.8 * before + 0.2 * 0.08)
     alone = CostModel(verify=[0.05, 0.09], draft=0.01)  # a context of its own reports no tick: every step learns
     for _ in range(2):
         alone.observe(1, 0.1, 0, 0.0)
     assert alone.verify[0] == pytest.approx(0.05 * 2 ** 0.36)  # 0.2 of the way, then 0.2 of what was left
+
+
+def test_every_slot_s_plain_ticks_move_their_chains_and_the_draft_alike() -> None:
+    """8 slots' plain tokens cost more as their contexts grow; moved alone, their price rose while their chains kept
+    the start-up price, and at 8 clients and temperature 0.7 slots that began beside 7 others prefilled the draft
+    model and drafted (docs/benchmarks-parallel.md, run 24). Plain ticks move every slot's shapes and the draft alike,
+    as one sequence's plain steps move every size."""
+    pool = replace(XEON_POOL, slots=8, slot_verify=[0.232, 0.372, 0.50], draft_sizes=[8], draft_batches=[0.040])
+
+    def planned() -> int:
+        length = AdaptiveLength(SharedBatch(pool, [1] * 8, lane=0, follow=True), 4)
+        length.acceptance = [0.75] * 4
+        return length.planned()
+
+    assert planned() == 0
+    for tick in range(30):  # the contexts have grown: every slot's plain tokens take 0.33 s a tick
+        pool.observe(8, 0.33, 0, 0.0, verify_seqs=8, tick=tick)
+    assert pool.slot_verify == pytest.approx([0.33, 0.372 * 0.33 / 0.232, 0.50 * 0.33 / 0.232], rel=0.01)
+    assert pool.draft_batches[0] == pytest.approx(0.040 * 0.33 / 0.232, rel=0.01)
+    assert planned() == 0
+    pool.observe(16, 0.40, 0, 0.0, verify_seqs=8, tick=30)  # a tick of chains moves its own shape alone
+    assert pool.slot_verify[0] == pytest.approx(0.33, rel=0.01)
 
 
 def test_a_lookup_guess_is_priced_beside_the_others_next_steps_not_their_last_chains() -> None:
