@@ -226,9 +226,9 @@ class CostModel:
         """Every slot's plain tokens moved by `factor`: their chains' measured prices and the draft's move alike, as
         one sequence's plain steps move every size (observe). Moved alone, 8 slots' plain price rose with their
         contexts while their 2-token chains kept the start-up price: at 8 clients and temperature 0.7 slots that
-        began beside 7 others prefilled the draft model, 11.5 s of draft ticks in a 190 s run, and the pool drafted
-        where plain batching paid (docs/benchmarks-parallel.md, run 24). (Fewer slots' shapes are not moved so: their
-        first ticks correct an interpolated price, which says nothing of the others'.)"""
+        began beside 7 others prefilled the draft model and drafted, 11.4 s of draft ticks beside 180 s of the
+        target's, at 0.88x plain batching's tokens a second (docs/benchmarks-parallel.md, run 24). Fewer slots'
+        shapes are not moved so: their first ticks correct an interpolated price, which says nothing of the others'."""
         self.slot_verify[1:] = [v * factor for v in self.slot_verify[1:]]
         self._scale_draft(factor)
 
