@@ -168,15 +168,12 @@ class CostModel:
         taking that as batches or drafts getting relatively cheaper would switch drafting on where it
         does not pay.
         """
-        if tick >= 0:
-            with _TICKS:  # the slots' threads observe their shared tick at once
-                if tick == self._tick:
-                    verify_s = 0.0
-                self._tick = tick
+        if tick >= 0 and not self._first_report("_tick", tick):
+            verify_s = 0.0
         if verify_s > 0 and len(verify_shapes) > 1:
             if all(each <= len(self.verify) for _, each in verify_shapes):  # steps' shapes, not a prompt's chunks
                 priced = {shape: self.micro_seconds(*shape) for shape in verify_shapes}
-                off = verify_s / sum(self.micro_seconds(*shape) for shape in verify_shapes)
+                off = verify_s / sum(priced[shape] for shape in verify_shapes)
                 for (seqs, each), seconds in priced.items():
                     if seqs > 1:  # one sequence's tokens are priced by `verify`, which learns from its own batches
                         self._learn_shape(seqs, each, seconds * off, weight)
@@ -200,14 +197,19 @@ class CostModel:
             self.verify = [v * ratio ** (weight if i == n else others) for i, v in enumerate(self.verify)]
             if n == 0 and not draft_decodes:
                 self._scale_draft(ratio ** weight)
-        if draft_tick >= 0:
-            with _TICKS:
-                if draft_tick == self._draft_tick:
-                    draft_decodes = 0
-                self._draft_tick = draft_tick
+        if draft_tick >= 0 and not self._first_report("_draft_tick", draft_tick):
+            draft_decodes = 0
         if draft_decodes:
             seen = draft_s / draft_decodes / self.draft_seconds(draft_width)
             self._scale_draft(1 + (1 - (1 - weight) ** draft_decodes) * (seen - 1))
+
+    def _first_report(self, last: str, tick: int) -> bool:
+        """Whether `tick` is a shared batch not yet learned, where attribute `last` holds the last one learned (set to
+        `tick`); atomic, as the slots' threads observe their shared tick at once."""
+        with _TICKS:
+            first = getattr(self, last) != tick
+            setattr(self, last, tick)
+        return first
 
     def _learn_shape(self, seqs: int, each: int, seconds: float, weight: float) -> float:
         """A micro-batch of `each` tokens in each of `seqs` sequences took `seconds`: that shape's price alone moves
