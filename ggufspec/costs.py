@@ -269,6 +269,16 @@ class SharedBatch(CostModel):
     whose drafts were kept 94% of the time drafted while the others, at 70%, did not, and its chain ran as a pass of
     its own, 282 ms a tick against 201 (docs/methods.md; docs/benchmarks-parallel.md, run 12).
 
+    Without `follow` (one slot's guess beside the others' steps: lookup's, or a draft beside a prompt's chunk), the
+    batch's tokens a second are counted as its busy slots times the geometric mean of each one's tokens a second
+    (proportional fairness): the sum, while every slot commits alike; less, where one slot runs ahead and the others
+    wait on its chain. Counted as the sum, a slot's 31-token copy beside 3 plain steps paid 1.15 times plain
+    batching, held their next tokens for 7.5 plain ticks, and, as copies recurred, one client finished its requests
+    ahead of the others, whose tail then ran a slot short: 0.93x plain batching at 4 clients, 0.90x at 8
+    (docs/benchmarks-parallel.md, run 26). Counted so, a guess pays beside n busy slots where E(k) exceeds
+    (t_k / t_0)^n: on a CPU beside many slots, short guesses or none; where a batch costs about what one token does
+    (a GPU), as before.
+
     Learning (observe) goes to the base model, with the whole batch's size and seconds (policy.adaptive leaves out
     batches that ran in several micro-batches)."""
 
@@ -287,6 +297,8 @@ class SharedBatch(CostModel):
         self._fellows = [fellows[i] for i in busy if i in fellows]
         self._strangers = len(busy) - len(self._fellows)
         self._fellow_tokens: dict[int, float] = {}  # k -> what the fellows commit, drafting k each
+        # not following: the log of the product of the other busy slots' tokens (their geometric mean's part)
+        self._others_log = sum(math.log(n) for i, n in enumerate(lanes) if n and i != lane)
 
     verify = property(lambda self: self.base.verify)
     draft = property(lambda self: self.base.draft)
@@ -323,7 +335,8 @@ class SharedBatch(CostModel):
             if fellows is None:
                 fellows = self._fellow_tokens[k] = sum(self.expected_tokens(k, a) for a in self._fellows)
             return (tokens * (1 + self._strangers) + fellows) / self.step_seconds(k, free)
-        return (self.others + tokens) / self.step_seconds(k, free)
+        mean = math.exp((math.log(tokens) + self._others_log) / self.busy)  # geometric, of the busy slots' tokens
+        return self.busy * mean / self.step_seconds(k, free)
 
     def observe(self, *args, **kwargs) -> None:
         self._steps.clear()

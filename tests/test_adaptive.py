@@ -308,6 +308,26 @@ def test_a_slot_drafts_in_a_shared_batch_only_where_the_whole_batch_gains() -> N
     assert chains.best_k(0.5, 1, free=True) == 1
 
 
+def test_one_slot_s_guess_beside_busy_slots_pays_only_for_the_others_wait_too() -> None:
+    """Costs as learned in run 26 (docs/benchmarks-parallel.md): 4 slots' plain tokens 132 ms. Counted as the batch's
+    sum, a copy guess of 31 tokens kept 98% of the time paid beside 3 plain steps, and held their next tokens for
+    6.6 plain ticks; counted as busy slots times their geometric mean, no guess pays beside 3 or 7 plain steps. Beside
+    a prompt's chunk, where the batch takes long anyway, a long one does; alone, as before; and while every slot
+    commits alike, the count is their sum."""
+    pool = replace(XEON_POOL, slots=8, slot_verify=[0.225, 0.360, 0.568], shapes={(4, 1): 0.132})
+    acc, longer = [0.98] * 4 + [1.0], (15, 31, 63)
+    four = SharedBatch(pool, [1] * 4, lane=0)
+    assert four.step_seconds(0, free=True) == pytest.approx(0.132)
+    summed = (3 + four.expected_tokens(31, acc)) / four.step_seconds(31, free=True)
+    assert summed > SHARED_GAIN * 4 / four.step_seconds(0, free=True)
+    assert four.best_k(acc, 4, free=True, longer=longer) == 0
+    assert SharedBatch(pool, [1] * 8, lane=0).best_k(acc, 4, free=True, longer=longer) == 0
+    assert SharedBatch(pool, [1, 128, 1, 1], lane=0).best_k(acc, 4, free=True, longer=longer) == 31
+    assert pool.best_k(acc, 4, free=True, longer=longer) == 63
+    even = SharedBatch(pool, [2, 2, 2, 2], lane=0)
+    assert even.rate(1, 2.0, free=True) == pytest.approx(8 / even.step_seconds(1, free=True))
+
+
 # Measured on an AMX Xeon 2-core machine (AMX left out of the build), long batches too: 4 tokens cost 1.4 decodes
 XEON_LONG = CostModel([0.0856, 0.1301, 0.1721, 0.1190, 0.1584], 0.0103, [16, 32, 64], [0.35, 0.70, 1.45])
 
