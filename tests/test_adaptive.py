@@ -11,6 +11,7 @@ import pytest
 
 import ggufspec.costs as costs_module
 from ggufspec.costs import ContextCosts, CostModel, SharedBatch, measure
+from ggufspec.decoder import SLOT_CHUNK
 from ggufspec.lockstep import even_lanes, micro_batches, micro_shapes
 from ggufspec.policy import PLAIN, Plan, Timing
 from ggufspec.policy.adaptive import (MIN_GAIN, PHRASE_MATCH, PROBE_EVERY, PROBE_GAIN, SHARED_GAIN,
@@ -359,9 +360,12 @@ def test_the_draft_model_prices_every_slot_drafting_alike_while_all_are_on_steps
     auto.lanes, auto.lane = (2, 2), 0
     auto.price_at(10)
     assert auto.model_length.costs.follow and not auto.lookup_length.costs.follow  # lookup's guesses are its own
-    auto.lanes = (2, 40)  # the other slot prefills a prompt: its chunk is no step's chain
+    auto.lanes = (2, SLOT_CHUNK)  # the other slot prefills a prompt: its next chunk is no step's chain
     auto.price_at(10)
     assert not auto.model_length.costs.follow
+    auto.lanes = (2, 40)  # a shorter chunk was its prompt's last: it steps next
+    auto.price_at(10)
+    assert auto.model_length.costs.follow
 
 
 def test_following_slots_price_their_drafts_as_one_draft_batch_of_every_slot() -> None:
@@ -563,9 +567,12 @@ def test_a_lookup_guess_is_priced_beside_the_others_next_steps_not_their_last_ch
     auto.lanes = (1, 1)
     auto.price_at(10)
     assert auto.model_length.planned() == 1 and auto.lookup_length.costs.lanes[1] == 2
-    auto.lanes = (1, 40)  # a prompt's chunk: the next one follows it
+    auto.lanes = (1, SLOT_CHUNK)  # a prompt's full chunk: the next one follows it
     auto.price_at(10)
-    assert auto.lookup_length.costs.lanes[1] == 40
+    assert auto.lookup_length.costs.lanes[1] == SLOT_CHUNK
+    auto.lanes = (1, 40)  # its last chunk: a step follows, as the model's shared choice makes it
+    auto.price_at(10)
+    assert auto.lookup_length.costs.lanes[1] == auto.model_length.planned() + 1
 
 
 def test_no_probes_where_even_good_drafts_would_gain_little() -> None:

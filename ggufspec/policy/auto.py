@@ -4,7 +4,7 @@ steps, each chosen where the measured cost model expects it to commit the most t
 from __future__ import annotations
 
 from ..costs import ContextCosts, CostModel, SharedBatch
-from ..decoder import common_prefix
+from ..decoder import SLOT_CHUNK, common_prefix
 from ..proposers import Context, Draft, Proposer
 from ..proposers.lookup import LONG_MATCH
 from ..verifier import Verdict
@@ -71,11 +71,14 @@ class AutoPolicy:
             for length in self._records:
                 length.costs = costs
             return None
-        # the draft model's choice prices every slot drafting alike (SharedBatch) while each is on steps the
-        # model could draft (no prompt's chunk or long copy in the batch): pricing each chain alone beside the
-        # others' last ones, two slots swapped turns, each evening the other's last batch into a new uneven one
-        # (docs/benchmarks-parallel.md, run 5)
-        steps = max(self.lanes) <= self.k_max + 1
+        # the draft model's choice prices every slot drafting alike (SharedBatch) while each steps next (no other
+        # slot's prompt going on): pricing each chain alone beside the others' last ones, two slots swapped turns,
+        # each evening the other's last batch into a new uneven one (docs/benchmarks-parallel.md, run 5).
+        # A full chunk of a prompt is followed by its next one; a shorter chunk was its last, and a long guess rarely
+        # goes on in step, so those slots step next: priced as still there, a prompt's last chunk made guesses look
+        # as if they rode the prompt, and they ran beside 3 plain steps (docs/benchmarks-parallel.md, run 27)
+        going_on = [i != self.lane and n >= SLOT_CHUNK for i, n in enumerate(self.lanes)]
+        steps = not any(going_on)
         planned = None
         if self.model_length is not None and steps:
             records = (self.slot_records or {}).copy()  # one call under the GIL: other slots' threads add to it
@@ -86,9 +89,8 @@ class AutoPolicy:
         # tokens each, or 1), not as their last chains: those were lookup's guesses too, which rarely continue in
         # step, and a chain priced as evening them out ran, beside plain steps, as a micro-batch of its own; at 8
         # slots that drafting cost a fifth more target time than plain batching (docs/benchmarks-parallel.md, run 8).
-        # A prompt's chunk stays (the next one follows it).
         k = planned or 0
-        lanes = [n if i == self.lane or n > self.k_max + 1 else (k + 1 if n else 0) for i, n in enumerate(self.lanes)]
+        lanes = [n if i == self.lane or going_on[i] else (k + 1 if n else 0) for i, n in enumerate(self.lanes)]
         shared = SharedBatch(costs, lanes, self.lane)
         for length in self._records:
             if length is not self.model_length or not steps:
