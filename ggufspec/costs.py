@@ -272,12 +272,13 @@ class SharedBatch(CostModel):
     Without `follow` (one slot's guess beside the others' steps: lookup's, or a draft beside a prompt's chunk), the
     batch's tokens a second are counted as its busy slots times the geometric mean of each one's tokens a second
     (proportional fairness): the sum, while every slot commits alike; less, where one slot runs ahead and the others
-    wait on its chain. Counted as the sum, a slot's 31-token copy beside 3 plain steps paid 1.15 times plain
+    wait on its chain. Counted as the sum, a slot's 31-token copy beside 3 plain steps paid 1.16 times plain
     batching, held their next tokens for 7.5 plain ticks, and, as copies recurred, one client finished its requests
-    ahead of the others, whose tail then ran a slot short: 0.93x plain batching at 4 clients, 0.90x at 8
-    (docs/benchmarks-parallel.md, run 26). Counted so, a guess pays beside n busy slots where E(k) exceeds
-    (t_k / t_0)^n: on a CPU beside many slots, short guesses or none; where a batch costs about what one token does
-    (a GPU), as before.
+    ahead of the others, whose tail then ran a slot short (4 clients: 0.93x plain batching,
+    docs/benchmarks-parallel.md, run 26). Counted so, a guess pays beside n busy slots where E(k) exceeds
+    (t_k / t_0)^n: on a CPU beside many slots, short guesses or none (runs 27 and 28: 0 to 2 long guesses a run where
+    there had been 8 to 25, throughput within the spread of repeated runs); where a longer batch costs about what a
+    plain one does, much as the sum would (not measured on a GPU).
 
     Learning (observe) goes to the base model, with the whole batch's size and seconds (policy.adaptive leaves out
     batches that ran in several micro-batches)."""
