@@ -76,7 +76,8 @@ class AutoPolicy:
         # each evening the other's last batch into a new uneven one (docs/benchmarks-parallel.md, run 5).
         # A full chunk of a prompt is followed by its next one; a shorter chunk was its last, and a long guess rarely
         # goes on in step, so those slots step next: priced as still there, a prompt's last chunk made guesses look
-        # as if they rode the prompt, and they ran beside 3 plain steps (docs/benchmarks-parallel.md, run 27)
+        # as if they rode the prompt, and they ran beside 3 plain steps (docs/benchmarks-parallel.md, run 27). With
+        # `-b` under SLOT_CHUNK a pool's chunks are shorter, and every one is priced as its prompt's last.
         going_on = [i != self.lane and n >= SLOT_CHUNK for i, n in enumerate(self.lanes)]
         steps = not any(going_on)
         planned = None
