@@ -287,19 +287,23 @@ class SharedBatch(CostModel):
                  fellows: dict[int, Sequence[float]] | None = None) -> None:
         self.base, self.lane, self.follow = base, lane, follow  # a view of `base`: no fields of its own
         self.lanes = list(lanes)  # a copy: step_seconds puts each priced chain in this slot's lane
-        self.others = sum(lanes) - lanes[lane]
-        self.busy = sum(1 for i, n in enumerate(lanes) if n or i == lane)  # slots in the batch, this one too
+        busy = [i for i, n in enumerate(lanes) if n and i != lane]  # the other busy slots
+        self.busy = 1 + len(busy)  # slots in the batch, this one too
         # (k, free) -> step_seconds, until the base learns: a step's plan prices each length several times, and with
         # 8 slots on `auto` that pricing took about a quarter of a slot's Python time (docs/benchmarks-parallel.md)
         self._steps: dict[tuple[int, bool], float] = {}
         # following: the other busy slots' acceptance records (a slot with none is priced by this slot's)
         fellows = fellows or {}
-        busy = [i for i, n in enumerate(lanes) if n and i != lane]
         self._fellows = [fellows[i] for i in busy if i in fellows]
         self._strangers = len(busy) - len(self._fellows)
         self._fellow_tokens: dict[int, float] = {}  # k -> what the fellows commit, drafting k each
         # not following: the log of the product of the other busy slots' tokens (their geometric mean's part)
-        self._others_log = sum(math.log(n) for i, n in enumerate(lanes) if n and i != lane)
+        self._others_log = sum(math.log(lanes[i]) for i in busy)
+
+    @property
+    def others(self) -> int:
+        """The other slots' tokens in the batch."""
+        return sum(self.lanes) - self.lanes[self.lane]
 
     verify = property(lambda self: self.base.verify)
     draft = property(lambda self: self.base.draft)
