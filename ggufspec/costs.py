@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
+from functools import lru_cache
 
 from .decoder import Decoder, LlamaCppDecoder
 from .lockstep import Lockstep, padded_seconds
@@ -52,6 +53,12 @@ class CostModel:
     # the last shared target and draft batches whose prices were learned (observe); not fields: never cached or copied
     _tick = _draft_tick = -1
 
+    def __post_init__(self) -> None:
+        # micro_seconds' and padded_seconds' prices until the model learns (replaced then, never cleared: a price
+        # worked out meanwhile goes to the old one): a pool's slots price the same few batches, several lengths
+        # each, every step
+        self._prices: dict[tuple, float] = {}
+
     def copy(self) -> CostModel:
         """An independent copy, of the same class (a subclass may price or learn differently)."""
         return replace(self, verify=list(self.verify), long_sizes=list(self.long_sizes),
@@ -87,6 +94,22 @@ class CostModel:
         sequence's 10 and 4 tokens they were not padded into one pass: docs/benchmarks-parallel.md, run 10).
         A shape the pool's ticks ran is priced as they took (`shapes`): on that Xeon 2 slots' tokens took 147 ms a
         tick, priced 112 so, and their 2 tokens each 145, priced 194 (docs/benchmarks-parallel.md, run 16)."""
+        memo = self._prices
+        price = memo.get((seqs, each))
+        if price is None:
+            price = memo[seqs, each] = self._micro_price(seqs, each)
+        return price
+
+    def padded_seconds(self, lanes: tuple[int, ...], longest: int) -> float:
+        """What a batch of `lanes[s]` tokens of each sequence s costs, padded where that costs less
+        (lockstep.padded_seconds, at micro_seconds' prices)."""
+        memo = self._prices
+        price = memo.get((lanes, longest))
+        if price is None:
+            price = memo[lanes, longest] = padded_seconds(lanes, self.micro_seconds, longest)
+        return price
+
+    def _micro_price(self, seqs: int, each: int) -> float:
         learned = self.shapes.get((seqs, each))
         if learned is not None:
             return learned
@@ -112,19 +135,9 @@ class CostModel:
         return CostModel.expected_tokens_upto(k, acceptance)[k]
 
     @staticmethod
-    def expected_tokens_upto(k_max: int, acceptance: float | Sequence[float]) -> list[float]:
+    def expected_tokens_upto(k_max: int, acceptance: float | Sequence[float]) -> tuple[float, ...]:
         """expected_tokens(k, acceptance) for k = 0..k_max, in one pass."""
-        if isinstance(acceptance, (int, float)):
-            a = [acceptance] * k_max
-        else:
-            a = list(acceptance[:k_max]) + [acceptance[-1]] * (k_max - len(acceptance)) if acceptance else [0.0] * k_max
-        out = [1.0]
-        tokens = kept = 1.0
-        for x in a:  # plain Python: called several times a step, where numpy's call overhead would show
-            kept *= x
-            tokens += kept
-            out.append(tokens)
-        return out
+        return _tokens_upto(k_max, acceptance if isinstance(acceptance, (int, float)) else tuple(acceptance))
 
     def step_seconds(self, k: int, free: bool = False) -> float:
         """Drafting k tokens (free: they cost nothing, as prompt lookup's) and verifying them."""
@@ -141,9 +154,18 @@ class CostModel:
     def best_k(self, acceptance: float | Sequence[float], k_max: int, k_min: int = 0, free: bool = False,
                longer: Sequence[int] = ()) -> int:
         """The draft length in k_min..k_max (or among `longer`) with the most expected tokens per second."""
-        ks = [*range(k_min, k_max + 1), *longer]
-        tokens = self.expected_tokens_upto(max(ks), acceptance)  # one pass for every length (called every step)
-        return max(ks, key=lambda k: self.rate(k, tokens[k], free))
+        return self.best(acceptance, k_max, k_min, free, longer)[0]
+
+    def best(self, acceptance: float | Sequence[float], k_max: int, k_min: int = 0, free: bool = False,
+             longer: Sequence[int] = ()) -> tuple[int, float]:
+        """best_k's length and its expected tokens per second (expected_rate's)."""
+        tokens = self.expected_tokens_upto(max((k_max, *longer)), acceptance)  # one pass for every length (every step)
+        best, most = k_min, -1.0
+        for k in (*range(k_min, k_max + 1), *longer):
+            r = self.rate(k, tokens[k], free)
+            if r > most:  # the first of equals
+                best, most = k, r
+        return best, most
 
     def observe(self, n_verify: int, verify_s: float, draft_decodes: int, draft_s: float, weight: float = 0.2,
                 draft_width: int = 1, verify_seqs: int = 1, verify_shapes: Sequence[tuple[int, int]] = (),
@@ -202,6 +224,8 @@ class CostModel:
         if draft_decodes:
             seen = draft_s / draft_decodes / self.draft_seconds(draft_width)
             self._scale_draft(1 + (1 - (1 - weight) ** draft_decodes) * (seen - 1))
+        if verify_s > 0 or draft_decodes:  # learned (a shared tick is learned from one slot's step only)
+            self._prices = {}
 
     def _first_report(self, last: str, tick: int) -> bool:
         """Whether `tick` is a shared batch not yet learned, where attribute `last` holds the last one learned (set to
@@ -222,6 +246,7 @@ class CostModel:
             seen = self.micro_seconds(seqs, each)
             factor = (seconds / seen) ** weight
             self.shapes[seqs, each] = seen * factor
+        self._prices = {}
         return factor
 
     def _scale_slots(self, factor: float) -> None:
@@ -232,6 +257,7 @@ class CostModel:
         target's, at 0.88x plain batching's tokens a second (docs/benchmarks-parallel.md, run 24). Fewer slots'
         shapes are not moved so: their first ticks correct an interpolated price, which says nothing of the others'."""
         self.slot_verify[1:] = [v * factor for v in self.slot_verify[1:]]
+        self._prices = {}
         self._scale_draft(factor)
 
     def _scale_draft(self, factor: float) -> None:
@@ -240,6 +266,23 @@ class CostModel:
 
 
 _TICKS = threading.Lock()  # CostModel.observe: a shared tick's first observer learns it, atomically
+
+
+# A pool's slots each price every other slot's record (SharedBatch), several lengths a step, and a record changes at
+# most once a step: remembered, each is counted about once a tick, not once a slot
+@lru_cache(maxsize=1024)
+def _tokens_upto(k_max: int, acceptance: float | tuple[float, ...]) -> tuple[float, ...]:
+    if isinstance(acceptance, (int, float)):
+        a = [acceptance] * k_max
+    else:
+        a = list(acceptance[:k_max]) + [acceptance[-1]] * (k_max - len(acceptance)) if acceptance else [0.0] * k_max
+    out = [1.0]
+    tokens = kept = 1.0
+    for x in a:  # plain Python: called several times a step, where numpy's call overhead would show
+        kept *= x
+        tokens += kept
+        out.append(tokens)
+    return tuple(out)
 
 
 def _between(sizes: Sequence[int], secs: Sequence[float], n: int) -> float:
@@ -296,7 +339,7 @@ class SharedBatch(CostModel):
         fellows = fellows or {}
         self._fellows = [fellows[i] for i in busy if i in fellows]
         self._strangers = len(busy) - len(self._fellows)
-        self._fellow_tokens: dict[int, float] = {}  # k -> what the fellows commit, drafting k each
+        self._fellow_tokens: list[float] = []  # [k]: what the fellows commit, drafting k each (filled on first use)
         # not following: the log of the product of the other busy slots' tokens (their geometric mean's part)
         self._others_log = sum(math.log(lanes[i]) for i in busy)
 
@@ -314,6 +357,8 @@ class SharedBatch(CostModel):
     slots = property(lambda self: self.base.slots)
     slot_verify = property(lambda self: self.base.slot_verify)
     shapes = property(lambda self: self.base.shapes)
+    micro_seconds = property(lambda self: self.base.micro_seconds)  # the base's prices, remembered there
+    padded_seconds = property(lambda self: self.base.padded_seconds)
 
     @property
     def shared(self) -> bool:
@@ -323,23 +368,23 @@ class SharedBatch(CostModel):
         seconds = self._steps.get((k, free))
         if seconds is None:
             self.lanes[self.lane] = k + 1
-            lanes = [k + 1 if n else 0 for n in self.lanes] if self.follow else self.lanes
-            price = self.base.micro_seconds
+            lanes = tuple(k + 1 if n else 0 for n in self.lanes) if self.follow else tuple(self.lanes)
             longest = len(self.base.verify)  # a step's chain: as the pool pads (draft_max + 1)
             # following, each draft position is one draft batch of every slot's token: priced as one token, 8
             # slots' drafts were taken for a quarter of their cost, and all drafted where none paid
             # (docs/benchmarks-parallel.md, run 10)
             draft = self.base.draft_seconds(self.busy) if self.follow else self.draft
-            seconds = k * (0.0 if free else draft) + padded_seconds(lanes, price, longest)
+            seconds = k * (0.0 if free else draft) + self.base.padded_seconds(lanes, longest)
             self._steps[k, free] = seconds
         return seconds
 
     def rate(self, k: int, tokens: float, free: bool = False) -> float:
         if self.follow:
-            fellows = self._fellow_tokens.get(k)
-            if fellows is None:
-                fellows = self._fellow_tokens[k] = sum(self.expected_tokens(k, a) for a in self._fellows)
-            return (tokens * (1 + self._strangers) + fellows) / self.step_seconds(k, free)
+            if k >= len(self._fellow_tokens):  # every length a step prices, at once
+                upto = max(k, len(self.base.verify) - 1)
+                self._fellow_tokens = [sum(t) for t in zip(*(self.expected_tokens_upto(upto, a) for a in self._fellows),
+                                                           [0.0] * (upto + 1))]
+            return (tokens * (1 + self._strangers) + self._fellow_tokens[k]) / self.step_seconds(k, free)
         mean = math.exp((math.log(tokens) + self._others_log) / self.busy)  # geometric, of the busy slots' tokens
         return self.busy * mean / self.step_seconds(k, free)
 

@@ -15,6 +15,7 @@ again, so they never alias llama.cpp's buffers.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -203,20 +204,38 @@ def padded_seconds(lanes: Sequence[int], seconds: Price, longest: int) -> float:
 
 
 def _cheapest(lanes: Sequence[int], seconds: Price, longest: int) -> tuple[tuple[int, ...], float]:
+    # each shape priced once: the paddings share shapes
+    prices: dict[tuple[int, int], float] = {}
+    best, cheapest = (), math.inf
+    for padded, shapes in _paddings(tuple(lanes), longest):
+        total = 0.0
+        for shape in shapes:
+            p = prices.get(shape)
+            if p is None:
+                p = prices[shape] = seconds(*shape)
+            total += p
+        if total < cheapest:
+            best, cheapest = padded, total
+    return best, cheapest
+
+
+# `auto` prices each slot's draft lengths every step (SharedBatch), on lanes that recur tick after tick while the prices
+# change: the paddings are searched once per lanes, and each step only prices them
+@lru_cache(maxsize=4096)
+def _paddings(lanes: tuple[int, ...], longest: int) -> tuple[tuple[tuple[int, ...], tuple[tuple[int, int], ...]], ...]:
+    """The lanes as they are, then each padding even_lanes weighs (each once), with its micro-batches' shapes."""
     first = lanes[0] if lanes else 0
-    if first and lanes.count(first) == len(lanes):
-        # every sequence with as many tokens: one micro-batch, nothing to pad (what the search below finds too; `auto`
-        # prices every busy slot drafting alike this way, several lengths a slot and step)
-        return tuple(lanes), seconds(len(lanes), first)
-    best, cheapest = tuple(lanes), sum(seconds(*shape) for shape in _micro_shapes(tuple(lanes)))
+    if first and lanes.count(first) == len(lanes):  # every sequence with as many tokens: one micro-batch, no padding
+        return ((lanes, ((len(lanes), first),)),)
+    out, seen = [(lanes, _micro_shapes(lanes))], {lanes}
     steps = max(lanes, default=0) <= longest  # no prompt's chunk: idle sequences may be padded too
     for m in sorted({n for n in lanes if 0 < n <= longest}):
         busy = tuple(max(n, m) if n else 0 for n in lanes)
         for padded in (busy, tuple(max(n, m) for n in lanes)) if steps else (busy,):
-            price = sum(seconds(*shape) for shape in _micro_shapes(padded))
-            if price < cheapest:
-                best, cheapest = padded, price
-    return best, cheapest
+            if padded not in seen:
+                seen.add(padded)
+                out.append((padded, _micro_shapes(padded)))
+    return tuple(out)
 
 
 @lru_cache(maxsize=4096)  # `auto` prices every draft length against the same lanes each step

@@ -53,9 +53,9 @@ class AdaptiveLength:
 
     def planned(self) -> int:
         """The length choose() would pick now, probes aside; no side effects."""
-        k = self.costs.best_k(self.acceptance, self.k_max, free=self.free, longer=self._longer())
-        rate = self.costs.expected_rate
-        if k and rate(k, self.acceptance, self.free) < (SHARED_GAIN if self.costs.shared else MIN_GAIN) * rate(0, 0):
+        c = self.costs
+        k, rate = c.best(self.acceptance, self.k_max, free=self.free, longer=self._longer())
+        if k and rate < (SHARED_GAIN if c.shared else MIN_GAIN) * c.rate(0, 1.0):
             k = 0  # at break-even the estimate's noise decides, and a wrong guess costs more than it earns
         return k
 
