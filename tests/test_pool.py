@@ -20,7 +20,7 @@ from ggufspec.engine import GenerationSettings, SpeculativeEngine
 from ggufspec.errors import GGUFSpecError
 from ggufspec.lockstep import Lockstep
 from ggufspec.pool import EnginePool
-from ggufspec.proposers.lookup import AnswerPool, LookupProposer
+from ggufspec.proposers.lookup import LONG_MATCH, AnswerPool, LookupProposer
 from ggufspec.sampling import SamplingParams
 from test_equivalence import NEAR_TIE, PROMPTS, assert_same_or_near_tie
 
@@ -390,6 +390,43 @@ def test_answer_pool_is_bounded_and_keeps_answers_apart() -> None:
     pool.add([3, 4, 42, 43])
     assert lookup.find([8, 3, 4], 3) == [42, 43]  # up to the answer's end, never into the next
     assert lookup.find([3, 4, 5, 3, 4], 2) == [5, 3]  # the text's own match comes first
+
+
+def _longest_match_in(source: list[int], context: list[int], ngram_min: int, ngram_max: int) -> int | None:
+    """Lookup by its definition, one place at a time: where the place in `source` that matches the context's tail
+    furthest back (up to LONG_MATCH) ends, the latest among equals, if that reaches ngram_min; else None."""
+    best, reach = None, 0
+    for end in range(len(source) - 1):  # a guess follows the place
+        n = 0
+        while n < min(LONG_MATCH, len(context)) and end - n >= 0 and source[end - n] == context[-1 - n]:
+            n += 1
+        if n and n >= reach:
+            best, reach = end, n
+    return best if best is not None and min(reach, ngram_max) >= ngram_min else None
+
+
+@pytest.mark.parametrize("ngram_min,ngram_max", [(2, 4), (1, 3), (3, 3)])
+def test_lookup_finds_the_longest_latest_match(ngram_min: int, ngram_max: int) -> None:
+    """What lookup's search finds, in the text and in earlier answers (the pool's index of token pairs), is what a scan
+    of every place finds: on text of a few token values (many matches, of every length), in a pool that drops its
+    oldest tokens."""
+    rng = np.random.default_rng(ngram_min * 10 + ngram_max)
+    answers = AnswerPool(max_tokens=200)
+    for _ in range(60):
+        answers.add(rng.integers(0, 4, size=int(rng.integers(2, 30))).tolist())
+        lookup = LookupProposer(100, ngram_max=ngram_max, ngram_min=ngram_min, answers=answers)
+        for _ in range(5):
+            context = rng.integers(0, 4, size=int(rng.integers(1, 40))).tolist()
+            k = int(rng.integers(1, 8))
+            end = _longest_match_in(context, context, ngram_min, ngram_max)
+            if end is not None:  # the text's own match: its continuation, repeating where it runs into the tail
+                period = len(context) - end - 1
+                assert lookup.find(context, k) == [context[end + 1 + i % period] for i in range(k)], (context, k)
+            pool = answers.tokens.tolist()
+            end = _longest_match_in(pool, context, ngram_min, ngram_max)
+            guess = pool[end + 1 : end + 1 + k] if end is not None else []  # cut at the answer's end
+            guess = guess[: guess.index(AnswerPool.SEPARATOR)] if AnswerPool.SEPARATOR in guess else guess
+            assert lookup._find_in_answers(np.asarray(context, dtype=np.int64), k) == guess, (context, k)
 
 
 def test_auto_continues_earlier_answers_and_keeps_the_text(smollm2_path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 
@@ -21,7 +22,7 @@ class AnswerPool:
     """Answers generated earlier, in any slot and across requests, for lookup to continue where the text itself
     has no match (as llama.cpp's ngram-mod keeps one pool for all slots, and SuffixDecoding keeps past answers
     for agents): code an agent writes again, JSON shapes, boilerplate. Bounded: the latest `max_tokens` tokens;
-    thread-safe (an answer is added by replacing the array, which readers never see change)."""
+    thread-safe (an answer is added by replacing the arrays, which readers never see change)."""
 
     SEPARATOR = -1  # between answers: a guess never runs from one answer into the next
 
@@ -29,8 +30,14 @@ class AnswerPool:
         if max_tokens < 2:
             raise ValueError(f"max_tokens must be >= 2, got {max_tokens}")
         self.max_tokens = max_tokens
-        self.tokens = np.zeros(0, dtype=np.int64)  # answers, oldest first, SEPARATOR before each
+        empty = np.zeros(0, dtype=np.int64)
+        self._arrays = (empty, empty, empty)  # tokens, bigram codes sorted, where each ends: replaced together
         self._lock = threading.Lock()
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """Answers, oldest first, SEPARATOR before each."""
+        return self._arrays[0]
 
     def add(self, answer: list[int]) -> None:
         """Keep `answer` (the oldest tokens go past max_tokens)."""
@@ -38,7 +45,26 @@ class AnswerPool:
             return
         with self._lock:
             joined = np.concatenate([self.tokens, [self.SEPARATOR], np.asarray(answer, dtype=np.int64)])
-            self.tokens = joined[-self.max_tokens:]
+            tokens = joined[-self.max_tokens:]
+            # every two tokens that a guess could follow (not the last two), by the pair, then where they end: each
+            # step finds the context's last two by bisection (1 us in a full pool), where a scan of the full pool
+            # took 11 us alone and 35 beside a busy thread (it releases the GIL: see _longest_latest); sorted once
+            # an answer
+            codes = _bigrams(tokens[:-2], tokens[1:-1])
+            order = np.argsort(codes, kind="stable")
+            self._arrays = (tokens, codes[order], order + 1)
+
+    def ends(self, first: int, second: int) -> tuple[np.ndarray, np.ndarray]:
+        """The tokens, and where in them `first, second` ends, ascending (never at the last token: a guess follows)."""
+        tokens, codes, ends = self._arrays  # one snapshot: another slot may add an answer meanwhile
+        code = ((first + 1) << 32) | (second + 1)  # as _bigrams
+        # bisect (on the array: no copy), not np.searchsorted, which releases the GIL (see _longest_latest)
+        return tokens, ends[bisect.bisect_left(codes, code):bisect.bisect_right(codes, code)]
+
+
+def _bigrams(first: np.ndarray, second: np.ndarray) -> np.ndarray:
+    """One int64 per pair of tokens (SEPARATOR included)."""
+    return ((first + 1) << 32) | (second + 1)
 
 
 class LookupProposer:
@@ -89,28 +115,9 @@ class LookupProposer:
         self.match = 0
         # where an earlier occurrence of the last token ends an n-gram equal to the tail (one pass over the
         # context, then only those places: searched every step, so cheap against a target's decode)
-        hits = np.flatnonzero(ctx[:-1] == ctx[-1])
-        # grown one token at a time (the places matching the tail's last n tokens are among those matching its last
-        # n - 1): the longest n-gram with a match, after a few numpy calls when the tail has none (most steps)
-        found = None
-        for n in range(1, min(self.ngram_max, len(ctx) - 1) + 1):
-            if n > 1:
-                hits = hits[hits >= n - 1]
-                hits = hits[ctx[hits - (n - 1)] == ctx[-n]]
-            if not len(hits):
-                break
-            if n >= self.ngram_min:
-                found = hits
-        if found is not None:
-            hits = found
-            # how far back each earlier occurrence matches the tail (up to LONG_MATCH): the longest wins, the
-            # latest among equals (text that repeats a phrase often has a later, shorter chance match)
-            back = np.arange(LONG_MATCH)
-            before = hits[:, None] - back
-            same = (before >= 0) & (ctx[np.maximum(before, 0)] == ctx[np.maximum(len(ctx) - 1 - back, 0)])
-            lengths = np.where(same.all(axis=1), LONG_MATCH, same.argmin(axis=1))
-            at = len(hits) - 1 - int(np.argmax(lengths[::-1]))
-            start, self.match = int(hits[at]) + 1, int(lengths[at])
+        hits = _grown(ctx, np.flatnonzero(ctx[:-1] == ctx[-1]), 1, ctx, min(self.ngram_max, len(ctx) - 1), self.ngram_min)
+        if hits is not None:
+            start, self.match = _longest_latest(ctx, hits, ctx, LONG_MATCH)
             # a match that runs into the tail is text repeating with this period: the guess goes on repeating
             # it, as a lookup fed its own guess would (a loop shorter than k would otherwise cap the guess)
             period = len(ctx) - start
@@ -119,23 +126,21 @@ class LookupProposer:
 
     def _find_in_answers(self, ctx: np.ndarray, k: int) -> list[int]:
         """The continuation, in earlier answers, of the longest (then latest) match of the context's tail."""
-        pool = self.answers.tokens  # one snapshot: another slot may add an answer meanwhile
-        ends = np.flatnonzero(pool[:-1] == ctx[-1])
-        for n in range(min(self.ngram_max, len(ctx)), self.ngram_min - 1, -1):
-            hits = ends[ends >= n - 1]
-            for j in range(1, n):
-                hits = hits[pool[hits - j] == ctx[-1 - j]]
-            if len(hits):
-                back = np.arange(min(LONG_MATCH, len(ctx)))
-                before = hits[:, None] - back
-                same = (before >= 0) & (pool[np.maximum(before, 0)] == ctx[len(ctx) - 1 - back])
-                lengths = np.where(same.all(axis=1), len(back), same.argmin(axis=1))
-                at = len(hits) - 1 - int(np.argmax(lengths[::-1]))
-                start, self.match = int(hits[at]) + 1, int(lengths[at])
-                guess = pool[start : start + k]
-                cut = np.flatnonzero(guess == AnswerPool.SEPARATOR)
-                return guess[: cut[0] if len(cut) else len(guess)].tolist()
-        return []
+        n_max = min(self.ngram_max, len(ctx))
+        if n_max < self.ngram_min:
+            return []
+        pool, hits, n = self.answers.tokens, None, 1
+        if n_max >= 2:  # where the tail's last two tokens end (one snapshot: another slot may add an answer meanwhile)
+            pool, hits = self.answers.ends(int(ctx[-2]), int(ctx[-1]))
+            n = 2
+        if hits is None or (not len(hits) and self.ngram_min < 2):
+            hits, n = np.flatnonzero(pool[:-1] == ctx[-1]), 1
+        hits = _grown(pool, hits, n, ctx, n_max, self.ngram_min)
+        if hits is None:
+            return []
+        start, self.match = _longest_latest(pool, hits, ctx, min(LONG_MATCH, len(ctx)))
+        guess = pool[start : start + k].tolist()
+        return guess[: guess.index(AnswerPool.SEPARATOR)] if AnswerPool.SEPARATOR in guess else guess
 
     def begin(self, prompt: list[int], warm: bool) -> None:
         pass
@@ -153,3 +158,36 @@ class LookupProposer:
 
     def accept(self, n_kept: int) -> None:
         self.counters.accepted += n_kept
+
+
+def _grown(source: np.ndarray, hits: np.ndarray, n: int, ctx: np.ndarray, n_max: int, n_min: int) -> np.ndarray | None:
+    """Where in `source` the longest tail of `ctx` (n_min to n_max tokens) ends, from `hits`, where its last n end;
+    None if nowhere. Grown one token at a time: the places matching the last n + 1 are among those matching the
+    last n, so a tail with no match (most steps) costs a few numpy calls."""
+    found = hits if len(hits) and n >= n_min else None
+    while len(hits) and n < n_max:
+        n += 1
+        hits = hits[hits >= n - 1]
+        hits = hits[source[hits - (n - 1)] == ctx[-n]]
+        if len(hits) and n >= n_min:
+            found = hits
+    return found
+
+
+def _longest_latest(source: np.ndarray, hits: np.ndarray, ctx: np.ndarray, cap: int) -> tuple[int, int]:
+    """Of the places `hits` in `source`, the one that matches the tail of `ctx` furthest back (up to `cap` tokens),
+    the latest among equals (text that repeats a phrase often has a later, shorter chance match): where its
+    continuation starts, and how far back it matches.
+
+    Counted without argmin or argmax: like np.searchsorted, and comparisons and nonzero over more than a few hundred
+    elements, they release the GIL, and in a pool each release hands the interpreter to another slot's thread. Beside
+    one busy thread such calls took 2 to 4 times their CPU time alone; in the tiny model's 8-slot pool, lookup in
+    earlier answers took 35 us a step where alone it took 4 (docs/benchmarks-parallel.md, "auto's step in a busy
+    pool")."""
+    back = np.arange(cap)
+    before = hits[:, None] - back
+    same = (before >= 0) & (source[np.maximum(before, 0)] == ctx[np.maximum(len(ctx) - 1 - back, 0)])
+    lengths = same.cumprod(axis=1).sum(axis=1).tolist()  # the leading matches of each
+    longest = max(lengths)
+    at = len(lengths) - 1 - lengths[::-1].index(longest)
+    return int(hits[at]) + 1, longest
