@@ -407,16 +407,19 @@ def _longest_match_in(source: list[int], context: list[int], ngram_min: int, ngr
 
 @pytest.mark.parametrize("ngram_min,ngram_max", [(2, 4), (1, 3), (3, 3)])
 def test_lookup_finds_the_longest_latest_match(ngram_min: int, ngram_max: int) -> None:
-    """What lookup's search finds, in the text and in earlier answers (the pool's index of token pairs), is what a scan
-    of every place finds: on text of a few token values (many matches, of every length), in a pool that drops its
-    oldest tokens."""
+    """What lookup's search finds, in the text (its index of token pairs, kept as the text grows) and in earlier answers
+    (the pool's), is what a scan of every place finds: on text of a few token values (many matches, of every length),
+    growing or not, in a pool that drops its oldest tokens."""
     rng = np.random.default_rng(ngram_min * 10 + ngram_max)
     answers = AnswerPool(max_tokens=200)
     for _ in range(60):
         answers.add(rng.integers(0, 4, size=int(rng.integers(2, 30))).tolist())
         lookup = LookupProposer(100, ngram_max=ngram_max, ngram_min=ngram_min, answers=answers)
-        for _ in range(5):
-            context = rng.integers(0, 4, size=int(rng.integers(1, 40))).tolist()
+        grown = rng.integers(0, 4, size=3).tolist()
+        for step in range(10):
+            # a generation's context (each step's is the last one's and what it committed), and one of its own
+            grown = grown + rng.integers(0, 4, size=int(rng.integers(1, 4))).tolist()
+            context = grown if step % 2 else rng.integers(0, 4, size=int(rng.integers(1, 40))).tolist()
             k = int(rng.integers(1, 8))
             end = _longest_match_in(context, context, ngram_min, ngram_max)
             if end is not None:  # the text's own match: its continuation, repeating where it runs into the tail

@@ -57,13 +57,13 @@ class AnswerPool:
     def ends(self, first: int, second: int) -> tuple[np.ndarray, np.ndarray]:
         """The tokens, and where in them `first, second` ends, ascending (never at the last token: a guess follows)."""
         tokens, codes, ends = self._arrays  # one snapshot: another slot may add an answer meanwhile
-        code = ((first + 1) << 32) | (second + 1)  # as _bigrams
+        code = _bigrams(first, second)
         # bisect (on the array: no copy), not np.searchsorted, which releases the GIL (see _longest_latest)
         return tokens, ends[bisect.bisect_left(codes, code):bisect.bisect_right(codes, code)]
 
 
-def _bigrams(first: np.ndarray, second: np.ndarray) -> np.ndarray:
-    """One int64 per pair of tokens (SEPARATOR included)."""
+def _bigrams(first: np.ndarray | int, second: np.ndarray | int) -> np.ndarray | int:
+    """One int64 per pair of tokens (SEPARATOR included), elementwise."""
     return ((first + 1) << 32) | (second + 1)
 
 
@@ -82,6 +82,11 @@ class LookupProposer:
         self._last: tuple[list[int], int, int, list[int], int] | None = None
         self._seen: list[int] = []  # the last context searched, and as an array in _array's buffer
         self._buffer = np.zeros(0, dtype=np.int64)
+        # each two tokens of the context searched -> where they end (ascending), up to its last token but one: kept
+        # as the context grows (a Python int per token), so a step looks its tail up instead of comparing the whole
+        # context, which past a few hundred tokens releases the GIL twice a step (see _longest_latest)
+        self._pairs: dict[int, list[int]] = {}
+        self._paired = 1  # the first place whose pair is not in _pairs yet
 
     def find(self, context: list[int], k: int) -> list[int]:
         """Up to k tokens continuing the longest (then latest) earlier match of the context's tail; sets `match`.
@@ -100,8 +105,9 @@ class LookupProposer:
         step's context is the last step's plus what the pass committed). np.asarray of the whole list cost O(context)
         conversions every step; a list copy and compare are much cheaper."""
         n, m = len(context), len(self._seen)
-        if not (m and n > m and context[:m] == self._seen):
+        if not (m and n >= m and context[:m] == self._seen):
             m = 0
+            self._pairs, self._paired = {}, 1
         if n > len(self._buffer):
             grown = np.zeros(max(2 * len(self._buffer), n, 256), dtype=np.int64)
             grown[:m] = self._buffer[:m]
@@ -113,9 +119,16 @@ class LookupProposer:
     def _find(self, context: list[int], k: int) -> list[int]:
         ctx = self._array(context)
         self.match = 0
-        # where an earlier occurrence of the last token ends an n-gram equal to the tail (one pass over the
-        # context, then only those places: searched every step, so cheap against a target's decode)
-        hits = _grown(ctx, np.flatnonzero(ctx[:-1] == ctx[-1]), 1, ctx, min(self.ngram_max, len(ctx) - 1), self.ngram_min)
+        n_max = min(self.ngram_max, len(ctx) - 1)  # an earlier occurrence ends before the tail
+        if self.ngram_min >= 2 and n_max >= 2:  # where an earlier occurrence of the tail's last two tokens ends
+            pairs = self._pairs
+            for end in range(self._paired, len(context) - 1):
+                pairs.setdefault(_bigrams(context[end - 1], context[end]), []).append(end)
+            self._paired = max(self._paired, len(context) - 1)
+            hits, n = np.array(pairs.get(_bigrams(context[-2], context[-1]), ()), dtype=np.int64), 2
+        else:  # ...of its last token (one pass over the context)
+            hits, n = np.flatnonzero(ctx[:-1] == ctx[-1]), 1
+        hits = _grown(ctx, hits, n, ctx, n_max, self.ngram_min)
         if hits is not None:
             start, self.match = _longest_latest(ctx, hits, ctx, LONG_MATCH)
             # a match that runs into the tail is text repeating with this period: the guess goes on repeating
