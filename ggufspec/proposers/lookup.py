@@ -15,7 +15,7 @@ from . import NO_DRAFT, Context, Counters, Draft
 LONG_MATCH = 16
 
 
-ANSWERS_MAX = 1 << 16  # tokens an AnswerPool keeps by default (512 KiB): a few hundred answers
+ANSWERS_MAX = 1 << 16  # tokens an AnswerPool keeps by default (512 KiB, 1.5 MiB with its pairs): a few hundred answers
 
 
 class AnswerPool:
