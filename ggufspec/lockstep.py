@@ -204,16 +204,9 @@ def padded_seconds(lanes: Sequence[int], seconds: Price, longest: int) -> float:
 
 
 def _cheapest(lanes: Sequence[int], seconds: Price, longest: int) -> tuple[tuple[int, ...], float]:
-    # each shape priced once: the paddings share shapes
-    prices: dict[tuple[int, int], float] = {}
     best, cheapest = (), math.inf
     for padded, shapes in _paddings(tuple(lanes), longest):
-        total = 0.0
-        for shape in shapes:
-            p = prices.get(shape)
-            if p is None:
-                p = prices[shape] = seconds(*shape)
-            total += p
+        total = sum(seconds(*shape) for shape in shapes)  # CostModel.micro_seconds remembers each shape's price
         if total < cheapest:
             best, cheapest = padded, total
     return best, cheapest

@@ -120,15 +120,14 @@ class LookupProposer:
         ctx = self._array(context)
         self.match = 0
         n_max = min(self.ngram_max, len(ctx) - 1)  # an earlier occurrence ends before the tail
-        if self.ngram_min >= 2 and n_max >= 2:  # where an earlier occurrence of the tail's last two tokens ends
+        ends = None
+        if n_max >= 2:  # where an earlier occurrence of the tail's last two tokens ends
             pairs = self._pairs
             for end in range(self._paired, len(context) - 1):
                 pairs.setdefault(_bigrams(context[end - 1], context[end]), []).append(end)
             self._paired = max(self._paired, len(context) - 1)
-            hits, n = np.array(pairs.get(_bigrams(context[-2], context[-1]), ()), dtype=np.int64), 2
-        else:  # ...of its last token (one pass over the context)
-            hits, n = np.flatnonzero(ctx[:-1] == ctx[-1]), 1
-        hits = _grown(ctx, hits, n, ctx, n_max, self.ngram_min)
+            ends = np.array(pairs.get(_bigrams(context[-2], context[-1]), ()), dtype=np.int64)
+        hits = _grown(ctx, ends, ctx, n_max, self.ngram_min)
         if hits is not None:
             start, self.match = _longest_latest(ctx, hits, ctx, LONG_MATCH)
             # a match that runs into the tail is text repeating with this period: the guess goes on repeating
@@ -142,13 +141,10 @@ class LookupProposer:
         n_max = min(self.ngram_max, len(ctx))
         if n_max < self.ngram_min:
             return []
-        pool, hits, n = self.answers.tokens, None, 1
+        pool, ends = self.answers.tokens, None
         if n_max >= 2:  # where the tail's last two tokens end (one snapshot: another slot may add an answer meanwhile)
-            pool, hits = self.answers.ends(int(ctx[-2]), int(ctx[-1]))
-            n = 2
-        if hits is None or (not len(hits) and self.ngram_min < 2):
-            hits, n = np.flatnonzero(pool[:-1] == ctx[-1]), 1
-        hits = _grown(pool, hits, n, ctx, n_max, self.ngram_min)
+            pool, ends = self.answers.ends(int(ctx[-2]), int(ctx[-1]))
+        hits = _grown(pool, ends, ctx, n_max, self.ngram_min)
         if hits is None:
             return []
         start, self.match = _longest_latest(pool, hits, ctx, min(LONG_MATCH, len(ctx)))
@@ -173,10 +169,14 @@ class LookupProposer:
         self.counters.accepted += n_kept
 
 
-def _grown(source: np.ndarray, hits: np.ndarray, n: int, ctx: np.ndarray, n_max: int, n_min: int) -> np.ndarray | None:
-    """Where in `source` the longest tail of `ctx` (n_min to n_max tokens) ends, from `hits`, where its last n end;
-    None if nowhere. Grown one token at a time: the places matching the last n + 1 are among those matching the
-    last n, so a tail with no match (most steps) costs a few numpy calls."""
+def _grown(source: np.ndarray, pairs: np.ndarray | None, ctx: np.ndarray, n_max: int, n_min: int) -> np.ndarray | None:
+    """Where in `source` the longest tail of `ctx` (n_min to n_max tokens) ends, from `pairs`, where its last two end
+    (None: not looked up, the tail being shorter); None if nowhere. With no pair, a one-token tail is searched for
+    (one pass over `source`) only where n_min allows it. Grown one token at a time: the places matching the last
+    n + 1 are among those matching the last n, so a tail with no match (most steps) costs a few numpy calls."""
+    hits, n = pairs, 2
+    if pairs is None or (not len(pairs) and n_min < 2):
+        hits, n = np.flatnonzero(source[:-1] == ctx[-1]), 1
     found = hits if len(hits) and n >= n_min else None
     while len(hits) and n < n_max:
         n += 1
