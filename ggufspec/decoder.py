@@ -385,7 +385,7 @@ class LlamaCppDecoder:
     def _submit(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[Sequence[int]],
                 outputs: Sequence[bool], hidden: bool) -> int:
         """A slot's decode: its part of the next shared batch; llama_decode's return code."""
-        sub = Submission(tokens, positions, seq_ids, outputs, hidden)
+        sub = Submission(tokens, positions, seq_ids, outputs, hidden, self._seq)
         self._unrecorded = True
         try:
             self._lockstep.submit(self._runner, sub)
@@ -792,18 +792,20 @@ class _SharedContext:
         o = self.owner
         # by sequence: llama.cpp splits a batch over several streams into micro-batches of consecutive sequence ids
         # (and as many tokens of each), so slots in order share theirs
-        subs = sorted(subs, key=lambda s: s.seq_ids[0][0])
-        lanes = [0] * (1 + subs[-1].seq_ids[0][0])  # tokens by sequence (each submission's first)
+        subs = sorted(subs, key=lambda s: s.lane)
+        # tokens by slot: a slot's lane is its own sequence, and a tree's tokens sit in its leaves' sequences after
+        # it (counted by its first token's, a slot of one with trees saw a second slot beside it, and `auto` priced
+        # its next steps as shared)
+        lanes = [0] * (1 + subs[-1].lane)
         for s in subs:
-            lanes[s.seq_ids[0][0]] += len(s.tokens)
+            lanes[s.lane] += len(s.tokens)
         ran = self._padded_lanes(subs, lanes)
         tokens, positions, seq_ids, outputs = [], [], [], []
         padded: list[tuple[int, int]] = []  # (sequence, its first pad's position)
         # in sequence order, as llama.cpp takes consecutive sequences into one micro-batch; padded, every sequence up
         # to the last one's (an idle one's submission None)
-        by_seq = {s.seq_ids[0][0]: s for s in subs}
-        order = [(seq, by_seq.get(seq)) for seq in range(len(ran))] if ran is not None else [
-            (s.seq_ids[0][0], s) for s in subs]
+        by_seq = {s.lane: s for s in subs}
+        order = [(seq, by_seq.get(seq)) for seq in range(len(ran))] if ran is not None else [(s.lane, s) for s in subs]
         for seq, s in order:
             if s is not None:
                 tokens += s.tokens
@@ -855,7 +857,7 @@ class _SharedContext:
         """The tokens each sequence runs, pads included, where padding makes the batch of `lanes` (tokens by sequence)
         cheaper (subs sorted by sequence; an idle sequence below the last one may be padded too); None: no pads. A
         slot is one sequence of this context (EnginePool sets price only so)."""
-        seqs = {s.seq_ids[0][0] for s in subs}
+        seqs = {s.lane for s in subs}
         one_each = len(seqs) == len(subs) and all(len(ids) == 1 for s in subs for ids in s.seq_ids)  # chains, no trees
         if self.price is None or len(seqs) < 2 or not one_each:
             return None

@@ -36,6 +36,8 @@ class Submission:
     seq_ids: Sequence[Sequence[int]]  # (n, *) the sequences each token belongs to
     outputs: Sequence[bool]  # (n,) which tokens' logits (and hidden states) come back
     hidden: bool = False  # hidden states too (the context's embeddings are turned on for the batch)
+    # the submitting slot's own sequence (its lane): a tree's tokens sit in its leaves' sequences, after it
+    lane: int = 0
     # filled by the batch's run
     rc: int = -1  # llama_decode's return code for the whole batch
     logits: np.ndarray | None = None  # (outputs, V) copied rows
@@ -43,7 +45,7 @@ class Submission:
     seconds: float = 0.0  # the whole batch's decode time
     batch: int = 0  # tokens in the whole batch, every member's
     done: bool = False  # its batch has run
-    lanes: tuple[int, ...] = ()  # (max seq id + 1,) the whole batch's tokens per sequence id (first id of each member)
+    lanes: tuple[int, ...] = ()  # (max lane + 1,) the whole batch's tokens per member's lane, pads included
     tick: int = -1  # the batch's number (Lockstep.n_ticks as it ran): every member's the same, so it is learned once
 
 

@@ -177,6 +177,22 @@ def test_each_slot_sees_its_shared_batch_per_sequence(tiny_target) -> None:
         d.close()
 
 
+def test_a_lone_slots_tree_is_a_batch_of_its_own(tiny_target) -> None:
+    """A pool of one slot (`serve --parallel 1`) verifies draft trees, whose tokens sit in its leaves' sequences
+    after the slot's own: the batch it reports is its own, not one shared with a slot beside it."""
+    lockstep = Lockstep()
+    [slot] = LlamaCppDecoder.slots(tiny_target, DecoderOptions(n_ctx=512, n_seq_max=4), 1, lockstep)
+    slot.sync(list(range(10, 18)))
+    with lockstep.member():
+        slot.tree_logits([5, 6, 7, 8], [-1, 0, 0, 1])  # a root, two children, a grandchild: 2 leaves
+    assert (slot.lanes, slot.lane) == ((4,), 0)
+    deferred = slot.commit_tree_path([0, 2])  # a runner-up kept: its token rides in front of the next batch
+    with lockstep.member():
+        slot.feed([9])
+    assert (deferred, slot.lanes) == (1, (2,))
+    slot.close()
+
+
 def test_a_generation_begins_priced_beside_the_slots_generating_then(tiny_target, tiny_draft) -> None:
     """`auto` decides whether the draft model prefills the prompt before the prefill: beside another slot generating
     it counts that slot (test_adaptive: beside busy slots on a CPU the draft's prefill is not worth it)."""
