@@ -793,9 +793,9 @@ class _SharedContext:
         # by sequence: llama.cpp splits a batch over several streams into micro-batches of consecutive sequence ids
         # (and as many tokens of each), so slots in order share theirs
         subs = sorted(subs, key=lambda s: s.lane)
-        # tokens by slot: a slot's lane is its own sequence, and a tree's tokens sit in its leaves' sequences after
-        # it (counted by its first token's, a slot of one with trees saw a second slot beside it, and `auto` priced
-        # its next steps as shared)
+        # tokens by slot, under the slot's own sequence: a tree's tokens sit in its leaves' sequences after it
+        # (counted under their first, a lone slot's tree pass looked shared with a second slot, and `auto` priced
+        # its next step so)
         lanes = [0] * (1 + subs[-1].lane)
         for s in subs:
             lanes[s.lane] += len(s.tokens)
