@@ -256,8 +256,7 @@ class CostModel:
         began beside 7 others prefilled the draft model and drafted, 11.4 s of draft ticks beside 180 s of the
         target's, at 0.88x plain batching's tokens a second (docs/benchmarks-parallel.md, run 24). Fewer slots'
         shapes are not moved so: their first ticks correct an interpolated price, which says nothing of the others'."""
-        self.slot_verify[1:] = [v * factor for v in self.slot_verify[1:]]
-        self._prices = {}
+        self.slot_verify[1:] = [v * factor for v in self.slot_verify[1:]]  # observe, its caller, forgets the prices
         self._scale_draft(factor)
 
     def _scale_draft(self, factor: float) -> None:
