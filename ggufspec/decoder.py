@@ -25,8 +25,10 @@ from .errors import ContextLengthError, GGUFSpecError
 from .gguf_check import read_header
 from .llama_batch import Batch
 from .lockstep import Lockstep, Price, Submission, even_lanes
+from .machine_cache import notice
 from .memory import check_memory
 from .model import LlamaModel
+from .recurrent import MemoryKind, Rewind, memory_kind, snapshots_for
 
 
 class Decoder(Protocol):
@@ -46,6 +48,7 @@ class Decoder(Protocol):
     lane: int
     tick: int  # a slot's last decode's batch number (lockstep.Submission.tick), -1 on a context of its own
     peers: int  # a slot's: the other slots generating in its context now
+    n_deferred: int  # the history's last tokens not in the memory yet: the next feed decodes them in front
 
     def feed(self, tokens: Sequence[int], all_logits: bool = True, view: bool = False) -> np.ndarray:
         """Decode `tokens` after the history in one pass; logits of every position (or the last), (n, V).
@@ -57,7 +60,14 @@ class Decoder(Protocol):
         """Make the history equal `tokens`, reusing the common prefix; logits after the last, (1, V)."""
 
     def rollback_to(self, n: int) -> None:
-        """Keep the first n history tokens and drop the KV entries of the rest."""
+        """Keep the first n history tokens and drop the KV entries of the rest (on recurrent memory, tokens its
+        snapshots or checkpoints cannot undo are decoded again, by this call or the next feed: see hold)."""
+
+    def hold(self, undo: int | None = None) -> None:
+        """Make a later rollback_to the history as it is now cheap (recurrent memory: a checkpoint of the state where
+        its snapshots will not reach; nothing for attention). `undo`: the next feed will be rolled back by at most
+        that many of its tokens (a verification chain's drafts); None: any number, over any feeds (a draft model's
+        single tokens)."""
 
     def hidden_states(self) -> np.ndarray:
         """Final-norm hidden states (n, H) of the rows the last feed returned logits for (none after a prefill of
@@ -85,6 +95,9 @@ ABORTABLE_BATCH = 64
 # A slot (LlamaCppDecoder.slots) decodes a prompt in chunks of at most this many tokens, each riding in one shared
 # batch with the other slots' steps: a long prompt joining delays their next tokens by about one such chunk's decode
 SLOT_CHUNK = 128
+# Tokens a rollback on recurrent memory leaves to decode again (from a checkpoint, or cleared) ride in front of the
+# next feed up to this many (a verification chain's worth); more are decoded at once, without logits
+REDECODE_NOW = 16
 
 
 @dataclass
@@ -122,6 +135,10 @@ class DecoderOptions:
     tensor_split: tuple[float, ...] = ()
     rpc_timeout: float = 60.0  # the longest a call may wait on the RPC servers before they are taken for gone
     rpc_draft: bool = False  # a draft model loaded with these options goes to the RPC servers too (default: local)
+    # recurrent-state snapshots per sequence (llama.cpp's n_rs_seq) on hybrid and recurrent models whose architecture
+    # supports them: a rollback of up to this many tokens of a verification batch restores one, where a checkpoint
+    # would cost a copy of the state (recurrent.py). Capped below n_ubatch; ignored by attention models.
+    n_rs_seq: int = 0
 
     def __post_init__(self) -> None:
         if self.n_ctx < 1:
@@ -132,6 +149,8 @@ class DecoderOptions:
             raise ValueError(f"n_ubatch must be between 1 and n_batch ({self.n_batch}), got {self.n_ubatch}")
         if self.n_seq_max < 1:
             raise ValueError(f"n_seq_max must be >= 1, got {self.n_seq_max}")
+        if self.n_rs_seq < 0:
+            raise ValueError(f"n_rs_seq must be >= 0, got {self.n_rs_seq}")
         for name in ("kv_type", "kv_type_k", "kv_type_v"):
             value = getattr(self, name)
             if value is not None and value not in KV_TYPES:
@@ -239,7 +258,9 @@ class LlamaCppDecoder:
         # chosen before the memory check sizes the cache with it
         self.options = opts = (options or DecoderOptions()).resolved()
         if opts.memory_check and not opts.offloads and not opts.remote:
-            check_memory([(self.path, self.header)], opts.n_ctx, opts.cache_type, opts.cache_type_v)
+            # (a recurrent model's tree sequences are turned off below: one state per independent sequence)
+            check_memory([(self.path, self.header)], opts.n_ctx, opts.cache_type, opts.cache_type_v,
+                         n_rs_seq=opts.n_rs_seq, sequences=opts.n_seq_max if opts.kv_unified is False else 1)
         self._ctx = self._batch = None
         remote = rpc.devices(rpc.parse_endpoints(opts.rpc)) if opts.remote else None  # may abort: see isolated.py
         self.model = model = LlamaModel(self.path, self.header, n_gpu_layers=(opts.n_gpu_layers or -1) if remote
@@ -248,6 +269,13 @@ class LlamaCppDecoder:
                                         tensor_split=opts.tensor_split)
         self.vocab, self.n_vocab, self.n_embd = model.vocab, model.n_vocab, model.n_embd
         self.weight_buffers, self.cpu_backend = model.weight_buffers, model.cpu_backend
+        self.memory = memory_kind(model.handle)
+        if self.memory.recurrent and opts.n_seq_max > 1 and opts.kv_unified is not False:
+            # sequences in one cell array serve token trees, whose tokens sit in several sequences at once: recurrent
+            # layers hold one state per sequence and cannot share them, and each sequence would hold a state
+            notice(f"{self.path.name}: token trees are off (its memory is {self.memory.value}: recurrent layers cannot "
+                   "share a token between sequences); drafts run as chains")
+            self.options = opts = replace(opts, n_seq_max=1, kv_unified=None)
         try:
             cparams = llama_cpp.llama_context_default_params()
             cparams.n_ctx = opts.n_ctx
@@ -265,6 +293,8 @@ class LlamaCppDecoder:
                     llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if opts.flash_attn else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
                 )
             cparams.no_perf = True
+            if self.memory.recurrent:
+                cparams.n_rs_seq = snapshots_for(opts.n_rs_seq, opts.micro_batch)
             self.kv_type, self.kv_type_v = opts.cache_type, opts.cache_type_v
             cparams.type_k = int(GGMLQuantizationType[self.kv_type.upper()])
             cparams.type_v = int(GGMLQuantizationType[self.kv_type_v.upper()])
@@ -290,6 +320,8 @@ class LlamaCppDecoder:
             self.n_ubatch: int = llama_cpp.llama_n_ubatch(self._ctx)
             self._mem = llama_cpp.llama_get_memory(self._ctx)
             self._batch = Batch(max(opts.n_batch, 1), opts.n_seq_max)
+            # what llama.cpp gave: it sets n_rs_seq back to 0 for architectures without snapshots
+            self.n_rs_seq: int = llama_cpp.llama_n_rs_seq(self._ctx) if self.memory.recurrent else 0
         except BaseException:
             self.close()
             raise
@@ -297,6 +329,7 @@ class LlamaCppDecoder:
         self.shift_keep: int | None = None  # set: a feed that overflows shifts the context instead of failing
         self.n_shifts = 0
         self.decode_seconds = 0.0
+        self.hold_seconds = 0.0  # recurrent memory: saving and restoring checkpoints (recurrent.Rewind), a clock
         self.n_decodes = 0
         self.n_decoded_tokens = 0
         self.n_batched_tokens = 0
@@ -318,6 +351,7 @@ class LlamaCppDecoder:
         self._runner: _SharedContext | None = None
         self._sub: Submission | None = None  # a slot's last decode, with its copied rows
         self._owner = True  # frees the context on close (a slot does not)
+        self._rewind = self._new_rewind(0)  # recurrent memory: how the history's sequence goes back
 
     @classmethod
     def slots(cls, path: str | os.PathLike, options: DecoderOptions, n: int,
@@ -346,9 +380,14 @@ class LlamaCppDecoder:
         whole = replace(options, n_ctx=per_slot * n + n * chunk, n_batch=n * chunk, n_seq_max=n * span,
                         n_ubatch=min(options.micro_batch, n * chunk), kv_unified=True if n == 1 else False)
         owner = cls(path, whole)
+        span = owner.options.n_seq_max // n  # 1 where recurrent memory turned the trees off
         runner = _SharedContext(owner, leads)
         view_options = replace(owner.options, n_ctx=per_slot, n_batch=chunk, n_seq_max=span, n_ubatch=None)
         return [owner._slot(i * span, view_options, lockstep, runner) for i in range(n)]
+
+    def _new_rewind(self, seq: int) -> Rewind | None:
+        """The rollback rules of sequence `seq` on recurrent memory; None on attention memory (any rollback is free)."""
+        return Rewind(self._ctx, seq, self.n_rs_seq, self.n_ubatch) if self.memory.recurrent else None
 
     def _slot(self, seq: int, options: DecoderOptions, lockstep: Lockstep, runner: _SharedContext) -> LlamaCppDecoder:
         view = copy.copy(self)
@@ -357,10 +396,12 @@ class LlamaCppDecoder:
             seq, options.n_seq_max, lockstep, runner, None, False)
         view.history, view._deferred, view._tree, view._tree_pre = [], [], None, []
         view.shift_keep, view.n_shifts, view.decode_seconds, view.n_decodes = None, 0, 0.0, 0
+        view.hold_seconds = 0.0
         view.n_decoded_tokens = view.n_batched_tokens = 0
         view.lanes, view.tick = (), -1
         view._n_out = view._skip = 0
         view._unrecorded = False
+        view._rewind = view._new_rewind(seq)
         return view
 
     @property
@@ -459,6 +500,8 @@ class LlamaCppDecoder:
             raise GGUFSpecError(f"llama_decode failed with code {rc} at position {len(self.history)}")
         self.history.extend(map(int, tokens))
         self._unrecorded = False
+        if self._rewind is not None:
+            self._rewind.decoded(len(tokens))
         self._n_out = len(tokens) if hidden else 0  # hidden: every token's row, or the one token's
         self._skip = 0
 
@@ -519,6 +562,8 @@ class LlamaCppDecoder:
         with self._locked():
             llama_cpp.llama_memory_seq_rm(mem, self._seq, keep, keep + discard)
             llama_cpp.llama_memory_seq_add(mem, self._seq, keep + discard, -1, -discard)
+            if self._rewind is not None:  # its snapshots and checkpoints hold the positions before the shift
+                self._rewind.forget()
         del self.history[keep : keep + discard]
         self.n_shifts += 1
 
@@ -527,6 +572,9 @@ class LlamaCppDecoder:
             raise ValueError(f"cannot roll back to {n}: the history holds {len(self.history)} tokens")
         self._end_tree()
         cached = len(self.history) - len(self._deferred)
+        if self._rewind is not None:
+            self._rewind_to(n, cached)
+            return
         # _unrecorded: a decode was interrupted (Ctrl-C lands right after llama_decode returns) before the
         # history recorded it, so cells past the history may hold its tokens; any tree sequences go with them
         if n < cached or self._unrecorded:
@@ -539,8 +587,46 @@ class LlamaCppDecoder:
         del self._deferred[max(n - cached, 0):]
         del self.history[n:]
 
+    def _rewind_to(self, n: int, cached: int) -> None:
+        """rollback_to on recurrent memory: the tokens of history[:n] that its snapshot or checkpoint does not hold
+        (recurrent.Rewind.back) are deferred to the next feed, or decoded now where they are more than a verification
+        batch's worth (a prefix reused from far back: the next feed may want every row's logits)."""
+        self._require_ctx()
+        if n < cached or self._unrecorded:
+            with self._locked():
+                held = self._rewind.back(cached, n, known=not self._unrecorded)
+                self.hold_seconds += self._rewind.seconds
+                self._rewind.seconds = 0.0
+            self._unrecorded = False
+            again = self.history[held:n]
+            del self.history[held:]
+            self._deferred = []
+            if len(again) > REDECODE_NOW:
+                self._feed(again[:-REDECODE_NOW], all_logits=False, view=True)
+                again = again[-REDECODE_NOW:]
+            self.history.extend(again)
+            self._deferred = again
+        else:
+            del self._deferred[max(n - cached, 0):]
+            del self.history[n:]
+
+    def hold(self, undo: int | None = None, anchor: bool = False) -> None:
+        """See Decoder.hold. `anchor`: the checkpoint stays until a rollback goes below it, rather than until the next
+        hold (a prompt's end, which a chat's next turn goes back to). A checkpoint holds what the memory holds:
+        deferred tokens stay deferred, and a rollback to it decodes them again."""
+        if self._rewind is None or self._unrecorded:  # the state after an unrecorded decode is no point to go back to
+            return
+        self._require_ctx()
+        with self._locked():
+            self._rewind.hold(len(self.history) - len(self._deferred), undo, anchor,
+                              len(self._deferred) + (undo or 0) + 1)
+            self.hold_seconds += self._rewind.seconds
+            self._rewind.seconds = 0.0
+
     def reset(self) -> None:
         """Forget the whole history."""
+        if self._rewind is not None:
+            self._rewind.forget()
         if self.shared:
             self._drop_sequences(range(self._seq, self._seq + self._span))
         else:
@@ -859,8 +945,8 @@ class _SharedContext:
         slot is one sequence of this context (EnginePool sets price only so)."""
         seqs = {s.lane for s in subs}
         one_each = len(seqs) == len(subs) and all(len(ids) == 1 for s in subs for ids in s.seq_ids)  # chains, no trees
-        if self.price is None or len(seqs) < 2 or not one_each:
-            return None
+        if self.price is None or len(seqs) < 2 or not one_each or self.owner.memory.recurrent:
+            return None  # (recurrent memory: removing a pad would be a second rollback, which llama.cpp refuses)
         even = even_lanes(lanes, self.price, self.pad_max)
         return None if even == tuple(lanes) else even
 
@@ -882,9 +968,11 @@ def _buffer_rows(views: dict[tuple[int, int, int], np.ndarray], ptr, n_rows: int
 
 
 def prefill(d: Decoder, context: list[int]) -> None:
-    """Decode `context` into d's cache, reusing its common prefix (an empty context empties it)."""
+    """Decode `context` into d's cache, reusing its common prefix (an empty context empties it); on recurrent memory
+    its end is kept as a point to go back to (a chat's next turn reuses the prompt at least)."""
     if context:
         d.sync(context)
+        d.hold(anchor=True)
     else:
         d.rollback_to(0)
 

@@ -135,7 +135,9 @@ class Verifier:
         if draft.tree is None:
             tokens = self._chain(last, draft)
             row = len(tokens) - 1  # the cache keeps all but the last committed token; the last's row
-            self.deferred = 0  # a chain decodes the deferred tokens in front of it
+            # a chain decodes the deferred tokens in front of it; on recurrent memory a rollback from a checkpoint
+            # defers the tokens kept after it (Decoder.rollback_to)
+            self.deferred = t.n_deferred
         else:
             nodes = np.array([last, *draft.tokens])
             logits = suppress(t.tree_logits(nodes, draft.tree.parents), self.suppressed)
@@ -155,6 +157,7 @@ class Verifier:
         t, params, drafts = self.target, self.params, draft.tokens
         if not drafts:  # a plain step: nothing to judge, nothing to roll back
             return [pick(suppress(t.feed([last], view=True)[-1], self.suppressed), params, self.rng)]
+        t.hold(len(drafts))  # recurrent memory: what its snapshots of this batch will not undo, a checkpoint does
         logits = suppress(t.feed([last, *drafts], view=True), self.suppressed)
         if params.greedy:
             new = accept_greedy(logits, drafts)

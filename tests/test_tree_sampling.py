@@ -148,6 +148,9 @@ class MemoDecoder:
         self.history += list(tokens)
         return self.sync(self.history)
 
+    def hold(self, undo=None):  # rollbacks replay memoised rows: nothing to keep
+        pass
+
     def tree_logits(self, tokens, parents):
         key = (tuple(self.history), tuple(int(t) for t in tokens), tuple(int(p) for p in parents))
         return self._rows(key, lambda: self._tree(tokens, parents))

@@ -57,7 +57,7 @@ class DraftModelProposer:
 
     def _chain(self, context: list[int], k: int) -> Draft:
         params, rng = self.params, self.rng
-        logits = self._logits(self.draft.sync(context, view=True))
+        logits = self._start(context, k)
         tokens: list[int] = []
         qs: list[np.ndarray] = []
         while True:
@@ -70,6 +70,15 @@ class DraftModelProposer:
                 break
             logits = self._logits(self.draft.feed([tokens[-1]], view=True))
         return Draft(tokens, q=np.stack(qs) if qs else None, source=self.name)
+
+    def _start(self, context: list[int], k: int) -> np.ndarray:
+        """The draft's logits after `context` (caught up on what it has not seen); where it will decode its own guesses
+        after them (k > 1), the point to go back to after the verdict is held (a recurrent draft's checkpoint: its
+        snapshots cannot undo single-token decodes)."""
+        rows = self.draft.sync(context, view=True)
+        if k > 1:
+            self.draft.hold()  # copies memory only: `rows`, a view of llama.cpp's outputs, stays valid
+        return self._logits(rows)
 
     def _logits(self, rows: np.ndarray) -> np.ndarray:
         """The last row's logits over the target's vocabulary, suppressed tokens at -inf."""
@@ -85,7 +94,7 @@ class DraftModelProposer:
         chain: list[int] = []
         dists: list[np.ndarray] = []  # per depth: the draft's distribution (its plain softmax when greedy)
         reach = [1.0]  # chance of the chain before each depth, then of the whole chain
-        logits = self._logits(self.draft.sync(context, view=True))
+        logits = self._start(context, k)
         while True:
             z = softmax(logits) if params.greedy else probabilities(logits, params)
             chain.append(int(z.argmax()) if params.greedy else sample(z, rng))
