@@ -28,6 +28,7 @@ from .policy import Policy, TreeSizer
 from .policy.adaptive import AdaptiveLength
 from .policy.auto import AutoPolicy
 from .proposers import PROPOSERS, AnswerPool, Proposer, Setup
+from .recurrent import SNAPSHOTS_MAX
 from .pairing import check_pair
 from .sampling import SamplingParams
 from .stats import Stats
@@ -130,6 +131,7 @@ class SpeculativeEngine:
         costs: CostModel | None = None,
     ) -> SpeculativeEngine:
         """Open the GGUF files (checked first, and their RAM needs together) and pair them; Medusa heads if given."""
+        options = with_snapshots(options or DecoderOptions(), settings or GenerationSettings())
         options = cls.check_files(target_path, draft_path, options, medusa_path, medusa_vocab)
         target, draft = cls.open_models(target_path, draft_path, options)
         try:
@@ -145,9 +147,10 @@ class SpeculativeEngine:
     @staticmethod
     def check_files(target_path: str | os.PathLike, draft_path: str | os.PathLike | None,
                     options: DecoderOptions | None, medusa_path: str | os.PathLike | None = None,
-                    medusa_vocab: int | str | os.PathLike | None = None) -> DecoderOptions:
+                    medusa_vocab: int | str | os.PathLike | None = None, sequences: int = 1) -> DecoderOptions:
         """What load checks before any model loads (the files, their RAM needs together with a cache of
-        options.n_ctx tokens); the options to load them with (Medusa's need hidden states and tree sequences)."""
+        options.n_ctx tokens, and `sequences` recurrent states of a hybrid or recurrent model's); the options to load
+        them with (Medusa's need hidden states and tree sequences)."""
         options = options or DecoderOptions()
         if medusa_path is not None:
             options = medusa_decoder_options(options)
@@ -165,7 +168,7 @@ class SpeculativeEngine:
         if options.memory_check and not options.offloads and local:
             extra = heads_memory(medusa_path, headers[0], medusa_vocab) if medusa_path is not None else []
             kv = options.resolved()  # this machine's default V cache type, chosen before the check sizes the cache
-            check_memory(local, options.n_ctx, kv.cache_type, kv.cache_type_v, extra)
+            check_memory(local, options.n_ctx, kv.cache_type, kv.cache_type_v, extra, options.n_rs_seq, sequences)
         return options
 
     @classmethod
@@ -184,10 +187,16 @@ class SpeculativeEngine:
         if draft_path is None or draft is not None:
             return target, draft  # type: ignore[return-value]
         try:
-            return target, LlamaCppDecoder(draft_path, options)
+            return target, LlamaCppDecoder(draft_path, cls.draft_options(options))
         except BaseException:
             target.close()
             raise
+
+    @staticmethod
+    def draft_options(options: DecoderOptions) -> DecoderOptions:
+        """A draft model's options: no snapshots, which undo part of a verification batch, while a draft model's
+        rollbacks undo its single-token guesses (a checkpoint does, on recurrent memory: DraftModelProposer)."""
+        return replace(options, n_rs_seq=0)
 
     @staticmethod
     def target_options(options: DecoderOptions, draft_path: str | os.PathLike | None) -> DecoderOptions:
@@ -394,6 +403,12 @@ class SpeculativeEngine:
         self.close()
 
 
+def with_snapshots(options: DecoderOptions, settings: GenerationSettings) -> DecoderOptions:
+    """`options` with recurrent-state snapshots for the target's chains of up to settings.draft_max drafts (at most
+    recurrent.SNAPSHOTS_MAX: longer ones, lookup's copies, are undone from checkpoints); attention models ignore it."""
+    return replace(options, n_rs_seq=max(options.n_rs_seq, min(settings.draft_max, SNAPSHOTS_MAX)))
+
+
 def _committed(steps: Iterator[Verdict], stats: Stats, is_stop: Callable[[int], bool]) -> Iterator[tuple[int | None, bool]]:
     """Each step's tokens, and whether a draft proposed it (steps counted in `stats`); None at a stop token."""
     try:
@@ -423,13 +438,18 @@ class _Meter:
         st.prefill_seconds = time.perf_counter() - self.t0
         st.prefill_tokens = self.target.n_decoded_tokens - self.decoded0
         st.cached_tokens = max(0, st.prompt_tokens - 1 - st.prefill_tokens)
-        self.target0, self.draft0 = self.target.decode_seconds, self.draft.decode_seconds if self.draft else 0.0
+        self.target0, self.draft0 = _busy(self.target), _busy(self.draft)
 
     def finish(self, generated: int) -> Stats:
         st = self.stats
         st.generated_tokens = generated
         if st.prefill_seconds:
             st.generation_seconds = time.perf_counter() - self.t0 - st.prefill_seconds
-            st.target_seconds = self.target.decode_seconds - self.target0
-            st.draft_seconds = (self.draft.decode_seconds - self.draft0) if self.draft else 0.0
+            st.target_seconds = _busy(self.target) - self.target0
+            st.draft_seconds = _busy(self.draft) - self.draft0
         return st
+
+
+def _busy(d: LlamaCppDecoder | None) -> float:
+    """A decoder's seconds in llama.cpp: its decodes, and its checkpoints on recurrent memory."""
+    return d.decode_seconds + d.hold_seconds if d is not None else 0.0

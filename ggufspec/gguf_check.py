@@ -22,6 +22,9 @@ MAX_DIMS = 4
 # GGUFValueType -> struct format of a scalar; STRING (8) and ARRAY (9) are variable length.
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
+# Numeric arrays of at most this many values are read as tuples (per-layer hyperparameters: llama.cpp's
+# LLAMA_MAX_LAYERS); longer ones (a vocabulary's scores, types), and arrays of strings, as their length.
+SHORT_ARRAY = 512
 
 # Hyperparameters llama.cpp asserts on (aborting the process) when out of range, or multiplies into tensor
 # shapes where a huge value wraps around to a size that matches: "{arch}.KEY" -> (min, max or another key).
@@ -79,6 +82,8 @@ class _Cursor:
             return self.string().decode("utf-8", errors="replace")
         if vtype == _ARRAY and depth == 0:
             item, count = self.scalar("I"), self.scalar("Q")
+            if item in _SCALARS and count <= SHORT_ARRAY:  # per-layer hyperparameters: their values
+                return struct.unpack(f"<{count}{_SCALARS[item]}", self.take(count * struct.calcsize(_SCALARS[item])))
             if item in _SCALARS:
                 self.take(count * struct.calcsize(_SCALARS[item]))
             elif item == _STRING:

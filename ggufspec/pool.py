@@ -17,7 +17,7 @@ from typing import TypeVar
 
 from .costs import LONG_BATCHES, CostModel, cached_measure, measure_together
 from .decoder import DecoderOptions, LlamaCppDecoder, common_prefix
-from .engine import GenerationResponse, GenerationSettings, Prompt, SpeculativeEngine
+from .engine import GenerationResponse, GenerationSettings, Prompt, SpeculativeEngine, with_snapshots
 from .errors import GGUFSpecError
 from .lockstep import Lockstep
 from .policy.adaptive import AdaptiveLength
@@ -87,7 +87,8 @@ class EnginePool:
                                 "--parallel 1.")
         settings = settings or GenerationSettings()
         options = _off_this_thread((options or DecoderOptions()).resolved)  # a first use probes: see _off_this_thread
-        options = SpeculativeEngine.check_files(target_path, draft_path, options, medusa_path, medusa_vocab)
+        options = with_snapshots(options, settings)
+        options = SpeculativeEngine.check_files(target_path, draft_path, options, medusa_path, medusa_vocab, parallel)
         if parallel > 1:  # a slot is one KV sequence (LlamaCppDecoder.slots): the draft model proposes chains
             options = replace(options, n_seq_max=1)
         lockstep = Lockstep()
@@ -97,8 +98,8 @@ class EnginePool:
         else:
             target_options = SpeculativeEngine.target_options(options, draft_path) if parallel == 1 else options
             targets = LlamaCppDecoder.slots(target_path, target_options, parallel, lockstep)
-            drafts = (LlamaCppDecoder.slots(draft_path, options, parallel, lockstep, leads=True) if draft_path
-                      else [None] * parallel)
+            drafts = (LlamaCppDecoder.slots(draft_path, SpeculativeEngine.draft_options(options), parallel, lockstep,
+                                            leads=True) if draft_path else [None] * parallel)
         engines = [SpeculativeEngine(t, d, settings, costs) for t, d in zip(targets, drafts)]
         answers = AnswerPool()  # one for every slot: an answer in one slot drafts for the next request in any
         records: dict[int, AdaptiveLength] = {}  # every slot's draft-model record by lane: following slots price all
