@@ -39,7 +39,11 @@ class CostModel:
     draft_batches[i]: a draft batch of draft_sizes[i] tokens (a pool's slots drafting together), one each;
     slot_verify[w-1]: a batch of w tokens in each of `slots` sequences (a pool's steps; measure_together);
     shapes[(seqs, w)]: a micro-batch of w tokens in each of fewer sequences, as the pool's ticks ran it (observe).
-    All but slot_verify and shapes are one sequence's tokens, as measure() times them."""
+    All but slot_verify and shapes are one sequence's tokens, as measure() times them.
+    On recurrent memory (recurrent.py): hold, the target's checkpoint (saved and restored), which a step pays whose
+    chain is longer than its `snapshots` undo; draft_hold, the draft model's, which a step drafting 2 tokens or more
+    pays (its snapshots never undo single-token decodes). Both 0 on attention memory. Each is charged whole, an upper
+    bound: a restore happens only after a rejection."""
 
     verify: list[float]
     draft: float
@@ -50,6 +54,9 @@ class CostModel:
     slots: int = 0
     slot_verify: list[float] = field(default_factory=list)
     shapes: dict[tuple[int, int], float] = field(default_factory=dict)  # learned in use, never cached
+    hold: float = 0.0
+    snapshots: int = 0
+    draft_hold: float = 0.0
     # the last shared target and draft batches whose prices were learned (observe); not fields: never cached or copied
     _tick = _draft_tick = -1
 
@@ -141,7 +148,15 @@ class CostModel:
 
     def step_seconds(self, k: int, free: bool = False) -> float:
         """Drafting k tokens (free: they cost nothing, as prompt lookup's) and verifying them."""
-        return k * (0.0 if free else self.draft) + self.batch_seconds(k + 1)
+        return k * (0.0 if free else self.draft) + self.batch_seconds(k + 1) + self.holds(k, free)
+
+    def holds(self, k: int, free: bool, slots: int = 1) -> float:
+        """What checkpoints of recurrent states add to a step of k drafts (free: not a draft model's), for `slots`
+        slots each taking theirs."""
+        if not k:
+            return 0.0
+        target = self.hold if k > self.snapshots else 0.0
+        return slots * (target + (self.draft_hold if k > 1 and not free else 0.0))
 
     def rate(self, k: int, tokens: float, free: bool = False) -> float:
         """Committed tokens per second of a step with k drafts that commits `tokens` on average."""
@@ -356,6 +371,9 @@ class SharedBatch(CostModel):
     slots = property(lambda self: self.base.slots)
     slot_verify = property(lambda self: self.base.slot_verify)
     shapes = property(lambda self: self.base.shapes)
+    hold = property(lambda self: self.base.hold)
+    snapshots = property(lambda self: self.base.snapshots)
+    draft_hold = property(lambda self: self.base.draft_hold)
     micro_seconds = property(lambda self: self.base.micro_seconds)  # the base's prices, remembered there
     padded_seconds = property(lambda self: self.base.padded_seconds)
 
@@ -373,7 +391,8 @@ class SharedBatch(CostModel):
             # slots' drafts were taken for a quarter of their cost, and all drafted where none paid
             # (docs/benchmarks-parallel.md, run 10)
             draft = self.base.draft_seconds(self.busy) if self.follow else self.draft
-            seconds = k * (0.0 if free else draft) + self.base.padded_seconds(lanes, longest)
+            seconds = (k * (0.0 if free else draft) + self.base.padded_seconds(lanes, longest)
+                       + self.holds(k, free, self.busy if self.follow else 1))
             self._steps[k, free] = seconds
         return seconds
 
@@ -415,7 +434,8 @@ class ContextCosts:
 def measure(target: LlamaCppDecoder, draft: Decoder | None, k_max: int, repeats: int = 5,
             long_sizes: Sequence[int] = LONG_BATCHES, long_repeats: int = 2) -> tuple[CostModel, float]:
     """Time target batches of 1..k_max+1 tokens (and of `long_sizes` that fit) and a draft token after a short
-    context; resets both (a pool's batches of every slot's tokens: measure_together).
+    context, and on recurrent memory each model's checkpoint (saved and restored: hold); resets both (a pool's
+    batches of every slot's tokens: measure_together).
 
     Rounds interleave all sizes, so a busy spell hits every one; each time is the fastest round's (long
     batches take part in the first `long_repeats` rounds: each costs as much as many short ones).
@@ -425,6 +445,7 @@ def measure(target: LlamaCppDecoder, draft: Decoder | None, k_max: int, repeats:
     decoders = [target] + ([draft] if draft is not None else [])
     for d in decoders:
         d.sync(ctx)
+        d.hold(anchor=True)  # recurrent memory: every round's rollback returns to this checkpoint
         d.feed([7])  # warm-up
         d.rollback_to(len(ctx))
     room = min(target.n_ctx - len(ctx) - 1, target.options.micro_batch)  # one micro-batch, inside the context
@@ -433,6 +454,7 @@ def measure(target: LlamaCppDecoder, draft: Decoder | None, k_max: int, repeats:
     sizes = [(target, n) for n in range(1, k_max + 2)] + ([(draft, 1)] if draft is not None else [])
     sizes += [(target, n) for n in longs]
     times: list[list[float]] = [[] for _ in sizes]
+    holds: dict[int, list[float]] = {id(d): [] for d in decoders if _recurrent(d)}
     for r in range(repeats):
         for i, ((d, n), out) in enumerate(zip(sizes, times)):
             if r >= long_repeats and i >= len(sizes) - len(longs):
@@ -441,13 +463,36 @@ def measure(target: LlamaCppDecoder, draft: Decoder | None, k_max: int, repeats:
             d.feed(list(range(200, 200 + n)))
             out.append(time.perf_counter() - t0)
             d.rollback_to(len(ctx))
+        for d in decoders:
+            if id(d) in holds:
+                holds[id(d)].append(_hold_seconds(d, len(ctx)))
     for d in decoders:
         d.rollback_to(0)
     best = [min(t) for t in times]
     short = len(sizes) - len(longs)
     spread = max(max(t) / min(t) for t in times[: k_max + 1 + (draft is not None)])
-    model = CostModel(best[: k_max + 1], best[k_max + 1] if draft is not None else 0.0, longs, best[short:])
+    model = CostModel(best[: k_max + 1], best[k_max + 1] if draft is not None else 0.0, longs, best[short:],
+                      hold=min(holds.get(id(target), [0.0])), snapshots=getattr(target, "n_rs_seq", 0),
+                      draft_hold=min(holds.get(id(draft), [0.0])))
     return model, spread
+
+
+def _recurrent(d: Decoder) -> bool:
+    """Whether d's memory has a recurrent state (whose rollbacks may need checkpoints)."""
+    memory = getattr(d, "memory", None)
+    return memory is not None and memory.recurrent
+
+
+def _hold_seconds(d: Decoder, base: int) -> float:
+    """Seconds d takes to save a checkpoint of its recurrent state and to restore it, after `base` tokens (held)."""
+    d.feed([9])
+    before = d.hold_seconds
+    d.hold()  # a new point (base + 1): saved
+    d.feed([10])
+    d.rollback_to(base + 1)  # a decode of one token: restored from that checkpoint
+    seconds = d.hold_seconds - before
+    d.rollback_to(base)
+    return seconds
 
 
 def measure_together(lockstep: Lockstep, views: Sequence[LlamaCppDecoder], widths: Sequence[int],
@@ -469,6 +514,7 @@ def measure_together(lockstep: Lockstep, views: Sequence[LlamaCppDecoder], width
         # thread has a decode pending (and each feed's tick has every member's)
         try:
             v.sync(ctx)
+            v.hold(anchor=True)  # recurrent memory: each rollback returns to this checkpoint
             together.wait()
             with lockstep.member():
                 together.wait()
@@ -530,7 +576,7 @@ def check_costs(entry: object, k_max: int, long_sizes: Sequence[int] = LONG_BATC
     if not isinstance(entry, dict):
         return f"expected an object, found {_json_type(entry)}"
     unknown = sorted(set(entry) - {"verify", "draft", "long_sizes", "long_verify", "draft_sizes", "draft_batches",
-                                   "slots", "slot_verify", "shapes"})
+                                   "slots", "slot_verify", "shapes", "hold", "snapshots", "draft_hold"})
     if unknown:
         return f"unknown fields: {', '.join(unknown)}"
     verify, draft = entry.get("verify"), entry.get("draft")
@@ -540,6 +586,12 @@ def check_costs(entry: object, k_max: int, long_sizes: Sequence[int] = LONG_BATC
         return f"verify: expected {k_max + 1} positive numbers"
     if not (type(draft) is float and math.isfinite(draft) and draft >= 0):
         return "draft: expected a number >= 0"
+    for name in ("hold", "draft_hold"):
+        value = entry.get(name, 0.0)
+        if not (type(value) is float and math.isfinite(value) and value >= 0):
+            return f"{name}: expected a number >= 0"
+    if not (type(entry.get("snapshots", 0)) is int and entry.get("snapshots", 0) >= 0):
+        return "snapshots: expected a whole number >= 0"
     if not (isinstance(sizes, list) and sizes == longs[:len(sizes)]):
         return f"long_sizes: expected the first sizes of {longs}"
     if not (isinstance(secs, list) and len(secs) == len(sizes) and all(map(_seconds, secs))):
@@ -559,4 +611,5 @@ def _identity(d: LlamaCppDecoder) -> list[object]:
     st = d.path.stat()
     o = d.options
     return [str(d.path), st.st_size, int(st.st_mtime), o.n_threads, o.n_threads_batch, o.n_gpu_layers, o.flash_attn,
-            d.kv_cache, sorted(d.weight_buffers)]  # where the weights went: repacked or not costs batches differently
+            d.kv_cache, sorted(d.weight_buffers),  # where the weights went: repacked or not costs batches differently
+            *([d.n_rs_seq] if getattr(d, "n_rs_seq", 0) else [])]  # snapshots: written by every batch
