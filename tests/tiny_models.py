@@ -95,3 +95,119 @@ def write_tiny_gguf(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+# --- hybrid and recurrent architectures -----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class HybridConfig:
+    """A tiny hybrid (lfm2: short convolutions; qwen35: gated delta nets) or recurrent (mamba2) model: layers 0, 2, ...
+    recurrent, 1, 3, ... attention (mamba2: all recurrent). Head size 32, so llama.cpp's default q8_0 cache fits."""
+
+    arch: str
+    n_embd: int = 64
+    n_layer: int = 4
+    n_head: int = 2
+    n_head_kv: int = 1
+    n_ff: int = 128
+    d_state: int = 16  # qwen35, mamba2
+    d_conv: int = 4  # qwen35, mamba2 (lfm2: its l_cache is 3)
+    n_group: int = 2  # qwen35's key heads, mamba2's groups
+    dt_rank: int = 4  # qwen35's value heads, mamba2's heads
+
+    @property
+    def recurrent_layers(self) -> list[bool]:
+        return [True] * self.n_layer if self.arch == "mamba2" else [i % 2 == 0 for i in range(self.n_layer)]
+
+
+def hybrid_weights(cfg: HybridConfig, n_vocab: int, seed: int) -> dict[str, np.ndarray]:
+    """Random weights of a HybridConfig model, by GGUF tensor name (numpy row-major: (out, in))."""
+    rng = np.random.default_rng(seed)
+    e, hd, ff = cfg.n_embd, cfg.n_embd // cfg.n_head, cfg.n_ff
+    s = 1 / np.sqrt(e)
+
+    def w(*shape: int, std: float) -> np.ndarray:
+        return rng.normal(0, std, size=shape).astype(np.float32)
+
+    ones = lambda n: np.ones(n, np.float32)  # noqa: E731
+    t = {"token_embd.weight": w(n_vocab, e, std=1.0), "output.weight": w(n_vocab, e, std=1.0),
+         "token_embd_norm.weight" if cfg.arch == "lfm2" else "output_norm.weight": ones(e)}
+    key_dim, value_dim = cfg.d_state * cfg.n_group, cfg.d_state * cfg.dt_rank
+    for i, recurrent in enumerate(cfg.recurrent_layers):
+        p = f"blk.{i}."
+        t[p + "attn_norm.weight"] = ones(e)
+        if cfg.arch != "mamba2":
+            t |= {p + "ffn_gate.weight": w(ff, e, std=s), p + "ffn_up.weight": w(ff, e, std=s),
+                  p + "ffn_down.weight": w(e, ff, std=1 / np.sqrt(ff)),
+                  p + ("ffn_norm.weight" if cfg.arch == "lfm2" else "post_attention_norm.weight"): ones(e)}
+        if not recurrent:
+            q_rows = 2 * cfg.n_head * hd if cfg.arch == "qwen35" else e  # qwen35's query carries its gate
+            t |= {p + "attn_q.weight": w(q_rows, e, std=s), p + "attn_k.weight": w(cfg.n_head_kv * hd, e, std=s),
+                  p + "attn_v.weight": w(cfg.n_head_kv * hd, e, std=s), p + "attn_output.weight": w(e, e, std=s),
+                  p + "attn_q_norm.weight": ones(hd), p + "attn_k_norm.weight": ones(hd)}
+        elif cfg.arch == "lfm2":
+            t |= {p + "shortconv.conv.weight": w(e, 3, std=0.5), p + "shortconv.in_proj.weight": w(3 * e, e, std=s),
+                  p + "shortconv.out_proj.weight": w(e, e, std=s)}
+        elif cfg.arch == "qwen35":
+            conv = 2 * key_dim + value_dim
+            t |= {p + "attn_qkv.weight": w(conv, e, std=s), p + "attn_gate.weight": w(value_dim, e, std=s),
+                  p + "ssm_conv1d.weight": w(conv, cfg.d_conv, std=0.5), p + "ssm_dt.bias": w(cfg.dt_rank, std=0.5),
+                  p + "ssm_a": -np.abs(w(cfg.dt_rank, std=1.0)), p + "ssm_beta.weight": w(cfg.dt_rank, e, std=s),
+                  p + "ssm_alpha.weight": w(cfg.dt_rank, e, std=s), p + "ssm_norm.weight": ones(cfg.d_state),
+                  p + "ssm_out.weight": w(e, value_dim, std=s)}
+        else:  # mamba2: d_inner = 2 * n_embd, in heads of d_inner / dt_rank
+            d_inner = 2 * e
+            conv = d_inner + 2 * cfg.n_group * cfg.d_state
+            t |= {p + "ssm_in.weight": w(d_inner + conv + cfg.dt_rank, e, std=s),
+                  p + "ssm_conv1d.weight": w(conv, cfg.d_conv, std=0.5), p + "ssm_conv1d.bias": w(conv, std=0.1),
+                  p + "ssm_dt.bias": w(cfg.dt_rank, std=0.5), p + "ssm_a": -np.abs(w(cfg.dt_rank, 1, std=1.0)),
+                  p + "ssm_d": w(cfg.dt_rank, 1, std=1.0),
+                  p + "ssm_norm.weight": np.ones((cfg.n_group, d_inner // cfg.n_group), np.float32),
+                  p + "ssm_out.weight": w(e, d_inner, std=1 / np.sqrt(d_inner))}
+    return t
+
+
+def write_hybrid_gguf(path: Path, tokenizer: list[gguf.ReaderField], weights: dict[str, np.ndarray],
+                      cfg: HybridConfig, name: str = "tiny") -> Path:
+    """Write a loadable GGUF of a HybridConfig model with these weights and the copied tokenizer fields."""
+    w = gguf.GGUFWriter(str(path), cfg.arch)
+    w.add_name(name)
+    w.add_context_length(2048)
+    w.add_embedding_length(cfg.n_embd)
+    w.add_block_count(cfg.n_layer)
+    w.add_layer_norm_rms_eps(1e-5)
+    hd = cfg.n_embd // cfg.n_head
+    if cfg.arch == "lfm2":  # a layer with no KV heads is a convolution
+        w.add_feed_forward_length(cfg.n_ff)
+        w.add_head_count(cfg.n_head)
+        w.add_head_count_kv([0 if r else cfg.n_head_kv for r in cfg.recurrent_layers])
+        w.add_uint32("lfm2.shortconv.l_cache", 3)
+        w.add_key_length(hd)
+        w.add_value_length(hd)
+    else:
+        ssm = {"conv_kernel": cfg.d_conv, "state_size": cfg.d_state, "group_count": cfg.n_group,
+               "time_step_rank": cfg.dt_rank}
+        if cfg.arch == "qwen35":
+            w.add_feed_forward_length(cfg.n_ff)
+            w.add_head_count(cfg.n_head)
+            w.add_head_count_kv(cfg.n_head_kv)
+            w.add_uint32("qwen35.full_attention_interval", 2)
+            w.add_array("qwen35.rope.dimension_sections", [hd // 8] * 4)
+            ssm["inner_size"] = cfg.d_state * cfg.dt_rank
+        else:
+            ssm["inner_size"] = 2 * cfg.n_embd
+        for key, value in ssm.items():
+            w.add_uint32(f"{cfg.arch}.ssm.{key}", value)
+    w.add_rope_dimension_count(hd)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    for f in tokenizer:
+        vtype = f.types[0]
+        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(f.name, f.contents(), vtype, sub_type=sub)
+    for tname, arr in weights.items():
+        w.add_tensor(tname, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
