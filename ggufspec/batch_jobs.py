@@ -5,11 +5,14 @@ JSON line the moment it finishes, in completion order, each line naming its prom
 stops (Ctrl-C, a crash, a full disk) leaves the finished lines; the same command again keeps them and generates the
 rest (a partial last line is dropped; prompts whose line records an error are tried again).
 
-Input: one prompt a line. A line that is a JSON object gives its prompt in `messages` (chat messages), `turns`
-(Spec-Bench/MT-Bench: the first turn, as a user message) or `prompt` (text, or token ids: HumanEval's shape), and
-its id in `custom_id`, `id`, `question_id` or `task_id` (else its line number); any other line is a text prompt
-as it is. Chat-shaped prompts go through the model's chat template; text prompts follow generate's rule (the
-template when the model has one, unless --raw).
+Input: one prompt a line. A line that starts with `{` is a JSON object that gives its prompt in `messages` (chat
+messages), `turns` (Spec-Bench/MT-Bench: the first turn, as a user message) or `prompt` (text, or token ids:
+HumanEval's shape), and its id in `custom_id`, `id`, `question_id` or `task_id` (else its line number); any other
+line is a text prompt as it is. A line that starts with `{` but is not such an object stops the run before any
+model loads, naming the line: it is a broken JSON line, which sent as text would be a silently wrong prompt (a
+text prompt that starts with `{` is written as {"prompt": "..."}). Chat-shaped prompts go through the model's chat
+template; text prompts follow generate's rule (the template when the model has one, unless --raw). `bench` reads
+its prompt files with the same reader (`read_prompts`).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class BatchPrompt:
     text: str | None = None  # a text prompt (templated or not, as generate decides)
     messages: tuple[dict[str, str], ...] | None = None  # chat messages: always the chat template
     tokens: tuple[int, ...] | None = None  # token ids: as they are
+    category: str | None = None  # a JSON line's `category` (Spec-Bench's): bench groups its figures by it
 
     @property
     def needs_template(self) -> bool:
@@ -84,12 +88,14 @@ def read_prompts(path: str | os.PathLike) -> list[BatchPrompt]:
 
 
 def _json_prompt(path: Path, n: int, index: int, line: str) -> BatchPrompt:
+    """The prompt of JSON line `n` (see the module's doc); GGUFSpecError naming the file and line when it is not one."""
     where = f"{path}:{n}"
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
         raise GGUFSpecError(f"{where}: not a JSON object ({e.msg} at column {e.colno}); a line that starts with `{{` "
-                            "must be one.") from None
+                            "must be one (a text prompt that starts with `{{`: write it as {{\"prompt\": \"...\"}})."
+                            ) from None
     if not isinstance(obj, dict):  # e.g. `{"a": 1} trailing` fails above; this guards odd decoders
         raise GGUFSpecError(f"{where}: not a JSON object.")
     pid: Any = n
@@ -99,6 +105,14 @@ def _json_prompt(path: Path, n: int, index: int, line: str) -> BatchPrompt:
             if not isinstance(pid, ID_TYPES) or isinstance(pid, bool):
                 raise GGUFSpecError(f"{where}: `{name}` must be a string or an integer, got {json.dumps(pid)[:40]}.")
             break
+    category = obj.get("category")
+    if category is not None and not isinstance(category, str):
+        raise GGUFSpecError(f"{where}: `category` must be a string, got {json.dumps(category)[:40]}.")
+    return BatchPrompt(index, pid, n, category=category, **_prompt_fields(where, obj))
+
+
+def _prompt_fields(where: str, obj: dict[str, Any]) -> dict[str, Any]:
+    """BatchPrompt's `messages`, `tokens` or `text` from the first prompt field of `obj` (PROMPT_FIELDS' order)."""
     key = next((f for f in PROMPT_FIELDS if f in obj), None)
     if key is None:
         raise GGUFSpecError(f"{where}: needs a `prompt` (text), `messages` (chat) or `turns` (Spec-Bench) field; "
@@ -110,18 +124,18 @@ def _json_prompt(path: Path, n: int, index: int, line: str) -> BatchPrompt:
                 for m in value):
             raise GGUFSpecError(f"{where}: `messages` must be a non-empty list of objects with a string `role` and "
                                 "`content`.")
-        return BatchPrompt(index, pid, n, messages=tuple({"role": m["role"], "content": m["content"]} for m in value))
+        return {"messages": tuple({"role": m["role"], "content": m["content"]} for m in value)}
     if key == "turns":
         if not isinstance(value, list) or not value or not isinstance(value[0], str) or not value[0].strip():
             raise GGUFSpecError(f"{where}: `turns` must be a list of strings, the first one not empty.")
-        return BatchPrompt(index, pid, n, messages=({"role": "user", "content": value[0]},))
+        return {"messages": ({"role": "user", "content": value[0]},)}
     if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        return BatchPrompt(index, pid, n, tokens=tuple(value))
+        return {"tokens": tuple(value)}
     if not isinstance(value, str):
         raise GGUFSpecError(f"{where}: `prompt` must be a string (or a list of token ids).")
     if not value.strip():
         raise GGUFSpecError(f"{where}: the prompt is empty.")
-    return BatchPrompt(index, pid, n, text=value)
+    return {"text": value}
 
 
 def engine_prompt(p: BatchPrompt, templated: bool, system: str | None) -> str | list:

@@ -188,8 +188,11 @@ OPTIONS: tuple[Option, ...] = (
            per={"bench": dict(help="A named pair from `ggufspec models` (target, draft or heads), fetched from the hub "
                                    "when needed.")}),
     # what bench runs
-    option("-p", "--prompts", "prompts_path", serves={"bench"}, required=True, type=click.Path(dir_okay=False),
-           help="JSONL (Spec-Bench `turns` or HumanEval `prompt`) or a text file, one prompt a line."),
+    option("-p", "--prompts", "prompts_path", serves={"bench"}, default=None, type=click.Path(dir_okay=False),
+           help="Prompts, one a line, as `generate --batch` reads them: text, or JSON objects with `prompt` "
+                "(HumanEval: a completion), `turns` (Spec-Bench) or `messages` (chat), an id and a `category`. "
+                "Default: a built-in set of 8 short prompts (coding, math, writing, summarization, extraction, "
+                "translation)."),
     option("--limit", serves={"bench"}, type=click.IntRange(min=1), default=None, help="Use the first N prompts."),
     option("--per-category", serves={"bench"}, type=click.IntRange(min=1), default=None,
            help="Use the first N prompts of each category (before --limit)."),
@@ -579,11 +582,14 @@ def bench(target, draft, preset, prompts_path, limit, per_category, methods, tem
           **model_opts) -> None:
     """Compare methods side by side on a prompt set: tok/s and speedup (median over repetitions, with their
     min-max), acceptance, time split. A warning on stderr names a cell whose spread is too wide to trust."""
-    from .bench import (BenchConfig, default_methods, format_table, load_prompts, run_bench, spread_warning, summarize,
-                        to_json)
+    from .bench import (BenchConfig, default_methods, default_prompts, format_table, load_prompts, run_bench,
+                        spread_warning, summarize, to_json)
     from .engine import SpeculativeEngine
 
     prompts = load_prompts(prompts_path, limit, per_category)  # a bad file fails before any model is fetched
+    if prompts_path is None:
+        prompts_path = default_prompts()
+        click.echo(f"prompts: the built-in set, {len(prompts)} of them (-p FILE for your own)", err=True)
     options = decoder_options(**model_opts)
     if target is None:  # as generate/chat/serve: the preset's files, the offline demo pair by default
         preset = preset or "demo"
