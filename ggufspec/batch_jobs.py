@@ -94,7 +94,7 @@ def _json_prompt(path: Path, n: int, index: int, line: str) -> BatchPrompt:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
         raise GGUFSpecError(f"{where}: not a JSON object ({e.msg} at column {e.colno}); a line that starts with `{{` "
-                            "must be one (a text prompt that starts with `{{`: write it as {{\"prompt\": \"...\"}})."
+                            "must be one (a text prompt that starts with `{`: write it as {\"prompt\": \"...\"})."
                             ) from None
     if not isinstance(obj, dict):  # e.g. `{"a": 1} trailing` fails above; this guards odd decoders
         raise GGUFSpecError(f"{where}: not a JSON object.")

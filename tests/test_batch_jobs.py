@@ -186,6 +186,18 @@ def test_bad_input_is_one_clear_error(smollm2_path, tmp_path, content, args, mes
     assert not out.exists()
 
 
+def test_a_broken_json_line_stops_the_run_before_any_model_loads(tmp_path) -> None:
+    # a line that starts with `{` is a JSON object or a mistake: sent as text it would be a silently wrong prompt
+    src, out = tmp_path / "prompts.txt", tmp_path / "out.jsonl"
+    src.write_text('Say yes.\n{"prompt": "unterminated\n{x} is a set: say why.\n', encoding="utf-8")
+    r = batch(tmp_path / "no-such-model.gguf", src, out)  # the prompts are read first: the model is never opened
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"{src}:2: not a JSON object (Unterminated string" in errors[0], r.stderr
+    assert 'write it as {"prompt": "..."}' in errors[0]  # how to send a text prompt that starts with `{`
+    assert "no-such-model" not in r.output and not out.exists()
+
+
 def test_an_output_file_that_is_not_these_results_is_left_alone(smollm2_path, tmp_path) -> None:
     src, out = tmp_path / "prompts.txt", tmp_path / "out.jsonl"
     src.write_text("hello\nworld\n", encoding="utf-8")
