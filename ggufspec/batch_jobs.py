@@ -276,13 +276,38 @@ class Outcome:
     target_passes: int = 0
     drafted: int = 0
     accepted: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # generating: from the first prompt sent to the slots to the last line written
+    wall_seconds: float = 0.0  # the whole run: reading the prompts, loading the models, measuring costs, generating
+
+
+def duration(seconds: float) -> str:
+    """A span of time as a person reads it: 19.9 s, 2 min 17 s, 1 h 05 min."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes} min {secs:02d} s" if minutes < 60 else f"{minutes // 60} h {minutes % 60:02d} min"
+
+
+def _summary(outcome: Outcome, out: Path, done_before: int, total: int, show_stats: bool) -> str:
+    """The closing line: lines written, prompts done, time generating (what tok/s is over) and the whole run's
+    wall time, which adds loading the models and measuring costs (minutes on a busy machine)."""
+    ok = outcome.written - len(outcome.failed)
+    tps = outcome.completion_tokens / outcome.seconds if outcome.seconds else 0.0
+    summary = (f"wrote {outcome.written} line{'s' * (outcome.written != 1)} to {out} ({done_before + ok} of {total} "
+               f"prompts done) in {duration(outcome.seconds)} generating, {duration(outcome.wall_seconds)} in all "
+               f"(with loading the models): {outcome.completion_tokens} tokens, {tps:.2f} tok/s while generating")
+    if show_stats:
+        summary += f" | {outcome.target_passes} target passes"
+        if outcome.drafted:
+            summary += f", acceptance {outcome.accepted / outcome.drafted:.1%} ({outcome.accepted}/{outcome.drafted})"
+    return summary
 
 
 def run_batch(*, batch_path: str, output: str, parallel: int, chat: bool, raw: bool, system: str | None,
               show_stats: bool, truncate_prompt: bool, context_shift: bool, params: dict,
               load_engine: Callable[..., Any]) -> int:
     """`generate --batch`: the exit code (0 all done, 2 when prompts failed, 130 interrupted)."""
+    started = time.perf_counter()
     source = Path(batch_path)
     prompts = read_prompts(source)  # bad input fails before any model loads
     out = check_output(output, source)
@@ -346,14 +371,8 @@ def run_batch(*, batch_path: str, output: str, parallel: int, chat: bool, raw: b
         finally:
             stream.close()
         outcome.seconds = time.perf_counter() - t0
-    ok = outcome.written - len(outcome.failed)
-    summary = (f"wrote {outcome.written} line{'s' * (outcome.written != 1)} to {out} ({len(done) + ok} of "
-               f"{len(prompts)} prompts done) in {outcome.seconds:.1f} s: {outcome.completion_tokens} tokens, "
-               f"{outcome.completion_tokens / outcome.seconds if outcome.seconds else 0.0:.2f} tok/s overall")
-    if show_stats:
-        summary += f" | {outcome.target_passes} target passes"
-        if outcome.drafted:
-            summary += f", acceptance {outcome.accepted / outcome.drafted:.1%} ({outcome.accepted}/{outcome.drafted})"
+    outcome.wall_seconds = time.perf_counter() - started
+    summary = _summary(outcome, out, len(done), len(prompts), show_stats)
     click.echo(summary, err=True)
     if outcome.failed:
         p, e = outcome.failed[0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -103,6 +104,12 @@ def test_a_rerun_keeps_the_done_lines_and_generates_only_the_rest(smollm2_path, 
     assert r.exit_code == 0, r.output
     assert "2 of 5 prompts already done" in r.stderr and "unfinished last line dropped" in r.stderr
     assert "wrote 3 lines" in r.stderr
+    # the time generating, and the whole run's, which adds loading the model (minutes on a busy machine)
+    spans = re.search(r"in (.+) generating, (.+) in all \(with loading the models\)", r.stderr)
+    assert spans, r.stderr
+    generating, in_all = (sum(float(n) * (60 if unit == "min" else 1)
+                              for n, unit in re.findall(r"([\d.]+) (min|s)", span)) for span in spans.groups())
+    assert 0 < generating <= in_all
     final = lines(out)
     assert sorted(d["index"] for d in final) == [0, 1, 2, 3, 4]  # each prompt once
     by_index = {d["index"]: d for d in final}
@@ -115,6 +122,12 @@ def test_a_rerun_keeps_the_done_lines_and_generates_only_the_rest(smollm2_path, 
     before = out.read_bytes()
     again = batch(smollm2_path, src, out, "-np", "2", "-n", "6")
     assert again.exit_code == 0 and "all 5 prompts are done" in again.stderr and out.read_bytes() == before
+
+
+def test_durations_read_as_a_person_reads_them() -> None:
+    from ggufspec.batch_jobs import duration
+
+    assert [duration(s) for s in (19.94, 137.2, 3600 + 5 * 60 + 2)] == ["19.9 s", "2 min 17 s", "1 h 05 min"]
 
 
 def test_a_prompt_that_fails_gets_an_error_line_and_the_others_go_on(smollm2_path, tmp_path) -> None:
