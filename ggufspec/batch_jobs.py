@@ -106,9 +106,10 @@ def _json_prompt(path: Path, n: int, index: int, line: str) -> BatchPrompt:
                 raise GGUFSpecError(f"{where}: `{name}` must be a string or an integer, got {json.dumps(pid)[:40]}.")
             break
     category = obj.get("category")
-    if category is not None and not isinstance(category, str):
-        raise GGUFSpecError(f"{where}: `category` must be a string, got {json.dumps(category)[:40]}.")
-    return BatchPrompt(index, pid, n, category=category, **_prompt_fields(where, obj))
+    if category is not None and (not isinstance(category, ID_TYPES) or isinstance(category, bool)):
+        raise GGUFSpecError(f"{where}: `category` must be a string or an integer, got {json.dumps(category)[:40]}.")
+    return BatchPrompt(index, pid, n, category=None if category is None else str(category),
+                       **_prompt_fields(where, obj))
 
 
 def _prompt_fields(where: str, obj: dict[str, Any]) -> dict[str, Any]:
