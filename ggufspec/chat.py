@@ -188,8 +188,8 @@ def template_override(value: str) -> Template:
         return BuiltinTemplate(value)
     if "{%" in value or "{{" in value:
         return value
-    raise GGUFSpecError(f"{value!r} is not one of llama.cpp's built-in chat templates ({', '.join(builtin_template_names())}) "
-                        "nor a Jinja template")
+    names = ", ".join(builtin_template_names())
+    raise GGUFSpecError(f"{value!r} is not one of llama.cpp's built-in chat templates ({names}) nor a Jinja template")
 
 
 def _spawn() -> subprocess.Popen:

@@ -489,8 +489,8 @@ def load_engine(params: dict, default_method: str | None = None, parallel: int |
 def _spec_method(method: str | None, spec_method: str | None) -> str | None:
     """--method, or the method --spec-type (llama.cpp's spelling, SpecType) asks for; both must agree."""
     if spec_method is not None and method is not None and spec_method != method:
-        raise click.UsageError(f"--spec-type asks for --method {spec_method} here, which contradicts --method {method}: "
-                               "give one of them.")
+        raise click.UsageError(f"--spec-type asks for --method {spec_method} here, which contradicts --method "
+                               f"{method}: give one of them.")
     return spec_method or method
 
 

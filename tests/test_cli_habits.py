@@ -46,8 +46,8 @@ def test_help_lists_the_llama_cpp_spellings() -> None:
                      "-ctv, --cache-type-v", "-p, --prompt", "-s, --seed", "--gpu-layers", "-ub, --n-ubatch"):
         assert spelling in help_text, spelling
     assert "-np, --parallel" in CliRunner().invoke(main, ["serve", "--help"]).output
-    for spelling in ("-e, --escape / --no-escape", "--chat-template NAME|JINJA", "--jinja", "-no-cnv, --no-conversation",
-                     "--color / --no-color", "--spec-type", "--log-disable"):
+    for spelling in ("-e, --escape / --no-escape", "--chat-template NAME|JINJA", "--jinja",
+                     "-no-cnv, --no-conversation", "--color / --no-color", "--spec-type", "--log-disable"):
         assert spelling in help_text, spelling
 
 
@@ -176,7 +176,7 @@ def test_escape_processes_the_prompts_escapes_as_llama_cpp(smollm2_path) -> None
     escaped = answer("-m", smollm2_path, "--raw", "-n", "6", "-e", "Colours:\\n1. red\\n2.")
     assert escaped == answer("-m", smollm2_path, "--raw", "-n", "6", "Colours:\n1. red\n2.")
     assert escaped != answer("-m", smollm2_path, "--raw", "-n", "6", "Colours:\\n1. red\\n2.")
-    stop = ("-m", smollm2_path, "--raw", "-n", "24", "Colours:\n1. red\n2.")  # -e takes --stop strings too, as llama.cpp
+    stop = ("-m", smollm2_path, "--raw", "-n", "24", "Colours:\n1. red\n2.")  # -e escapes --stop too, as llama.cpp
     assert answer(*stop, "-e", "--stop", "\\n") == answer(*stop, "--stop", "\n") != answer(*stop, "--stop", "\\n")
     out = usage_error("generate", "-m", smollm2_path, "-e", "caf\\xe9")
     assert "not UTF-8" in out and "0xe9" in out
