@@ -29,6 +29,20 @@ def test_generate_json_matches_the_api(smollm2_path) -> None:
     assert out["stats"]["generated_tokens"] == len(out["tokens"]) and out["stats"]["target_passes"] >= 1
 
 
+def test_a_temperature_too_small_for_float32_gives_the_greedy_text(smollm2_path, tiny_draft) -> None:
+    """1/T overflowed float32 and every probability was NaN: junk tokens, exit 0. Such a T is greedy, for the target's
+    p and the draft's q alike (vanilla with a random draft: most drafts are rejected)."""
+    def text(temp: str) -> str:
+        r = subprocess.run([sys.executable, "-m", "ggufspec.cli", "generate", "-m", str(smollm2_path), "-d",
+                            str(tiny_draft), "--method", "vanilla", "-c", "256", "-n", "8", "--seed", "1", "--temp",
+                            temp, "--json", "hi"], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and "Warning" not in r.stderr, r.stderr
+        return json.loads(r.stdout)["text"]
+
+    greedy = text("0")
+    assert {t: text(t) for t in ("1e-38", "1e-45", "5e-324")} == dict.fromkeys(("1e-38", "1e-45", "5e-324"), greedy)
+
+
 def test_generate_ignore_eos_runs_to_n_tokens(smollm2_path) -> None:
     runs = {flag: CliRunner().invoke(main, ["generate", "-m", str(smollm2_path), "-n", "24", "--json", *flag,
                                             "What is 2+2?"]) for flag in ((), ("--ignore-eos",))}

@@ -20,7 +20,7 @@ from starlette.types import Receive
 
 from ..engine import GenerationResponse, GenerationSettings, Prompt
 from ..errors import Cancelled, ContextLengthError, GGUFSpecError, RPCError
-from ..sampling import SamplingParams
+from ..sampling import DistributionError, SamplingParams
 from .api import (CHAT, FINISH_REASONS, TEXT, APIError, ChatRequest, CommonRequest, CompletionRequest, Shape,
                   Speculative, refused_field, timings, usage)
 from .boundary import Boundary, Limits, note_of, read_json, server_error
@@ -248,7 +248,7 @@ def as_api_error(e: Exception, param: str | None = None) -> APIError:
     if isinstance(e, RPCError):  # not the request's fault: the server's RPC servers failed (/health says so)
         return APIError(503, str(e), code="rpc_server_unavailable", kind="server_error",
                         headers={"Retry-After": "5"})
-    if isinstance(e, GGUFSpecError):
+    if isinstance(e, GGUFSpecError) and not isinstance(e, DistributionError):  # that one is the model's fault
         return APIError(400, str(e), param=param)
     return server_error(e)
 

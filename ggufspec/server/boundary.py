@@ -7,7 +7,7 @@
   this server does not grant; and a request from another `Origin` is refused unless `--cors-origin` allows it.
 - **Sizes.** A body larger than `--max-body` is refused with 413 from its `Content-Length`, before it is read, or as
   soon as a chunked body grows past it; JSON nested deeper than Python's parser goes, or holding unpaired UTF-16
-  surrogates, is a 400.
+  surrogates or a number that is not finite (NaN, Infinity: Python's parser takes them), is a 400.
 - **Connections.** A request's head and body must arrive within `--timeout` seconds of its first byte, and a
   response that the client stops reading is dropped after as long; at most `max_connections` stay open (sized
   under the process's file-descriptor limit), the oldest one that is not being answered closed to make room.
@@ -23,6 +23,7 @@ import functools
 import ipaddress
 import json
 import logging
+import math
 import os
 import re
 import socket
@@ -244,7 +245,7 @@ def too_large(limit: int) -> APIError:
 
 async def read_json(request: Request, limit: int) -> Any:
     """The request's JSON body, read up to `limit` bytes (413 past it), parsed (400 if it is not JSON, nests too
-    deep, or holds an unpaired surrogate)."""
+    deep, or holds an unpaired surrogate or a number that is not finite, naming its field)."""
     chunks, size = [], 0
     try:
         async for chunk in request.stream():
@@ -257,12 +258,16 @@ async def read_json(request: Request, limit: int) -> Any:
     raw = b"".join(chunks)
     if not raw.strip():
         raise APIError(400, "the request needs a JSON body")
+    non_finite: list[float] = []
     try:
-        data = json.loads(raw)
+        data = json.loads(raw, parse_float=functools.partial(_float, non_finite),
+                          parse_constant=functools.partial(_float, non_finite))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON ({e})") from None
     except RecursionError:
         raise APIError(400, "the request body is nested too deeply") from None
+    if non_finite:
+        raise _non_finite_error(data)
     if _SURROGATE_ESCAPE.search(raw):  # a pair decodes to one character; an unpaired half stays and fails later
         try:
             json.dumps(data, ensure_ascii=False).encode("utf-8")
@@ -270,6 +275,30 @@ async def read_json(request: Request, limit: int) -> Any:
             raise APIError(400, "the request body holds an unpaired UTF-16 surrogate (\\ud800-\\udfff), "
                                 "which is not text") from None
     return data
+
+
+def _float(seen: list[float], text: str) -> float:
+    """json.loads's hook for a number with a fraction or exponent, and for NaN, Infinity and -Infinity (which
+    Python's parser accepts, and JSON has not): the float, noted in `seen` when it is not finite (1e999 too)."""
+    value = float(text)
+    if not math.isfinite(value):
+        seen.append(value)
+    return value
+
+
+def _non_finite_error(data: Any) -> APIError:
+    """The 400 for a body holding a non-finite number, naming the first one's field as `parse` does (`a.0.b`)."""
+    stack: list[tuple[tuple[Any, ...], Any]] = [((), data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            param = ".".join(map(str, path)) or None
+            return APIError(400, f"{param or 'the request body'}: {json.dumps(value)} is not a finite number (JSON "
+                                 "has no NaN or Infinity; a number too large for a float becomes Infinity)",
+                            param=param)
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        stack.extend((path + (k,), v) for k, v in reversed(list(items)))
+    return APIError(400, "the request body holds a number that is not finite")
 
 
 # --- connections -------------------------------------------------------------------------------------------
