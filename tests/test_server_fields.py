@@ -179,6 +179,14 @@ def test_harmless_values_and_unknown_fields_are_accepted_and_change_nothing(serv
                                                   or plain["choices"][0]["message"]["content"]), out
 
 
+@pytest.mark.parametrize("bias", [{"42": 0}, {"42": 0.0, "7": -0.0}, [[42, 0]], {}, None])
+def test_a_logit_bias_that_biases_nothing_is_accepted(server, bias) -> None:
+    path, body = request("chat", max_tokens=5, temperature=0)
+    plain = post(server, path, body)[2]
+    code, _, out = post(server, path, {**body, "logit_bias": bias})
+    assert code == 200 and out["choices"] == plain["choices"], out
+
+
 def test_the_refusal_table_covers_llama_servers_and_openais_fields() -> None:
     for field in ("grammar", "json_schema", "response_format", "repeat_penalty", "repeat_last_n", "presence_penalty",
                   "frequency_penalty", "mirostat", "mirostat_tau", "mirostat_eta", "typical_p", "tfs_z",
