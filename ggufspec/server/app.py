@@ -150,7 +150,7 @@ def create_app(worker: Worker, settings: GenerationSettings, model_id: str, limi
     async def respond(request: Request, shape: Shape, body: CommonRequest, prompt: Prompt, param: str):
         note = note_of(request.scope)
         job = worker.submit(prompt, request_settings(body))
-        watch = asyncio.create_task(_cancel_on_disconnect(request.receive, job))
+        watch = asyncio.create_task(_cancel_on_disconnect(request.receive, job, worker))
         streaming = False
         try:
             first = await job.events.get()  # the prompt rendered, tokenized and found to fit, or why not
@@ -218,11 +218,13 @@ def parse(data: Any, model: type[BaseModel]) -> Any:
         raise APIError(400, f"{param}: {err['msg']}" if param else err["msg"], param=param) from None
 
 
-async def _cancel_on_disconnect(receive: Receive, job: Job) -> None:
-    """Cancel `job` the moment its client disconnects (the body is read: the next message is the disconnect)."""
+async def _cancel_on_disconnect(receive: Receive, job: Job, worker: Worker) -> None:
+    """Cancel `job` the moment its client disconnects (the body is read: the next message is the disconnect); a
+    job still queued leaves the queue then, so its place is free and its 499 logged at once."""
     while (await receive())["type"] != "http.disconnect":
         pass
     job.cancelled.set()
+    worker.abandon(job)
 
 
 async def collect(job: Job, param: str) -> GenerationResponse | None:
