@@ -231,6 +231,16 @@ def test_slow_and_idle_connections_are_dropped_after_the_timeout(smollm2_path) -
         assert "Traceback" not in s.stop()
 
 
+def test_a_connection_that_never_sends_a_byte_is_closed_as_idle(server) -> None:
+    # README: idle connections close after 5 s; one that never sent a byte stayed for --timeout (60 s)
+    with connect(server.port, timeout=30) as sock:
+        t0 = time.monotonic()
+        assert sock.recv(4096) == b""  # a socket.timeout here: the server kept it open 30 s
+        closed = time.monotonic() - t0
+    assert closed < 20, closed
+    print(f"a silent connection closed after {closed:.1f} s")
+
+
 def test_300_idle_connections_under_a_256_descriptor_limit_do_not_starve_a_new_request(smollm2_path) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and hard < 400:

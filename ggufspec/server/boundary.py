@@ -8,9 +8,11 @@
 - **Sizes.** A body larger than `--max-body` is refused with 413 from its `Content-Length`, before it is read, or as
   soon as a chunked body grows past it; JSON nested deeper than Python's parser goes, or holding unpaired UTF-16
   surrogates or a number that is not finite (NaN, Infinity: Python's parser takes them), is a 400.
-- **Connections.** A request's head and body must arrive within `--timeout` seconds of its first byte, and a
-  response that the client stops reading is dropped after as long; at most `max_connections` stay open (sized
-  under the process's file-descriptor limit), the oldest one that is not being answered closed to make room.
+- **Connections.** A connection that sends nothing is idle, whether new or after a response: it is closed after
+  uvicorn's keep-alive bound (5 s; `--timeout` if shorter). A request's head and body must arrive within
+  `--timeout` seconds of its first byte, and a response that the client stops reading is dropped after as long; at
+  most `max_connections` stay open (sized under the process's file-descriptor limit), the oldest one that is not
+  being answered closed to make room.
 - **Errors.** Anything a handler did not expect is answered as a 500 with a request id, logged once with that id.
 - **The request log.** One line per request on the server's log, as llama-server's: method, path, status, the
   tokens of the prompt and of the answer with the speed, the time taken, and for an error its code (and a 500's
@@ -307,7 +309,8 @@ class BoundedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with deadlines and a cap on open connections (see the module's docstring).
 
     uvicorn closes idle keep-alive connections after a response; this adds what it lacks against slow or idle
-    clients: a deadline for each request's head and body, one for a stalled write, and the cap."""
+    clients: the same idle bound for a new connection until its first byte, a deadline for each request's head and
+    body from its first byte, one for a stalled write, and the cap."""
 
     def __init__(self, *args: Any, limits: Limits, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -318,14 +321,17 @@ class BoundedH11Protocol(H11Protocol):
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._arm_read()
+        # idle until its first byte, as after a response: uvicorn's keep-alive timer, which data_received cancels
+        # (the request's --timeout starts there); a client that never sends a byte held the connection 60 s
+        self.timeout_keep_alive_task = self.loop.call_later(min(self.timeout_keep_alive, self.limits.timeout),
+                                                            self.timeout_keep_alive_handler)
         open_ = [c for c in self.connections if isinstance(c, BoundedH11Protocol) and not c.transport.is_closing()]
         if len(open_) > self.limits.max_connections:
             self._make_room(open_)
 
     def data_received(self, data: bytes) -> None:
         if self._read_deadline is None and self.conn.their_state in (h11.IDLE, h11.SEND_BODY):
-            self._arm_read()  # the first byte of a request that follows a keep-alive response
+            self._arm_read()  # the first byte of a request: the connection's first, or one after a response
         super().data_received(data)
         if self.conn.their_state not in (h11.IDLE, h11.SEND_BODY):
             self._disarm_read()
