@@ -20,7 +20,7 @@ from functools import cache
 
 import llama_cpp
 
-from .errors import RPCError
+from .errors import EndpointError, RPCError
 from .ggml_api import DEV_CPU, DEV_GPU, DEV_IGPU, ggml, proc
 from .ggml_api import devices as ggml_devices
 
@@ -49,26 +49,27 @@ class Endpoint:
 
 
 def parse_endpoints(text: str | list[str] | tuple[str, ...]) -> tuple[Endpoint, ...]:
-    """"host:port,host:port" (or a list of such strings), as llama-server's --rpc; RPCError names the bad one."""
+    """"host:port,host:port" (or a list of such strings), as llama-server's --rpc; EndpointError (a usage error)
+    names the bad one."""
     parts = [p.strip() for item in ([text] if isinstance(text, str) else text) for p in item.split(",")]
     if not any(parts):
-        raise RPCError("--rpc needs at least one HOST:PORT.")
+        raise EndpointError("--rpc needs at least one HOST:PORT.")
     out: list[Endpoint] = []
     for part in parts:
         host, sep, port = part.rpartition(":")
         if not part or not sep or not host:
-            raise RPCError(f"RPC endpoint {part!r} is not HOST:PORT (e.g. 127.0.0.1:{DEFAULT_PORT}).")
+            raise EndpointError(f"RPC endpoint {part!r} is not HOST:PORT (e.g. 127.0.0.1:{DEFAULT_PORT}).")
         if host.startswith("[") or ":" in host:
-            raise RPCError(f"RPC endpoint {part!r}: llama.cpp's RPC client speaks IPv4 only; give an IPv4 address "
-                           "or a host name.")
+            raise EndpointError(f"RPC endpoint {part!r}: llama.cpp's RPC client speaks IPv4 only; give an IPv4 "
+                                "address or a host name.")
         if not port.isdigit() or not 1 <= int(port) <= 65535:
-            raise RPCError(f"RPC endpoint {part!r}: the port must be a number from 1 to 65535.")
+            raise EndpointError(f"RPC endpoint {part!r}: the port must be a number from 1 to 65535.")
         ep = Endpoint(host, int(port))
         if ep in out:
-            raise RPCError(f"RPC endpoint {part} is given twice.")
+            raise EndpointError(f"RPC endpoint {part} is given twice.")
         out.append(ep)
     if len(out) > 16:  # GGML_RPC_MAX_SERVERS
-        raise RPCError(f"at most 16 RPC servers, got {len(out)}.")
+        raise EndpointError(f"at most 16 RPC servers, got {len(out)}.")
     return tuple(out)
 
 
@@ -173,7 +174,8 @@ def serve(ep: Endpoint, threads: int, cache_dir: str | None = None) -> None:
     try:
         ipaddress.IPv4Address(ep.host)
     except ValueError:
-        raise RPCError(f"rpc-server listens on an IPv4 address (llama.cpp's), not {ep.host!r}: e.g. 127.0.0.1.") from None
+        raise EndpointError(f"rpc-server listens on an IPv4 address (llama.cpp's), not {ep.host!r}: e.g. "
+                            "127.0.0.1.") from None
     with socket.socket() as probe:  # llama.cpp only prints "Failed to create server socket"
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:

@@ -207,11 +207,13 @@ def test_a_build_without_rpc_gets_one_line_naming_the_build_flags(monkeypatch, s
 
 @needs_rpc
 def test_the_cli_refuses_bad_endpoints_in_one_line_before_loading(smollm2_path) -> None:
+    # an endpoint written wrong is a usage error (exit 2, as README says; it was 1); a closed port is a failure (1)
     closed = free_port()
-    for endpoint, says in (("127.0.0.1", "not HOST:PORT"), (f"127.0.0.1:{closed}", "connection refused")):
+    for endpoint, says, code in (("127.0.0.1", "not HOST:PORT", 2), ("127.0.0.1:http", "from 1 to 65535", 2),
+                                 (f"127.0.0.1:{closed}", "connection refused", 1)):
         r = subprocess.run([*CLI, "generate", "-m", str(smollm2_path), "--rpc", endpoint, "-n", "4", PROMPT],
                            capture_output=True, text=True, timeout=120)
-        assert r.returncode != 0 and r.stdout == ""
+        assert r.returncode == code and r.stdout == "", (endpoint, r.returncode, r.stderr)
         assert r.stderr.startswith("error: ") and says in r.stderr and "Traceback" not in r.stderr, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
@@ -226,7 +228,7 @@ def test_rpc_server_refuses_a_busy_port_and_a_host_name() -> None:
     assert r.returncode != 0 and "error: cannot listen at" in r.stderr and "Traceback" not in r.stderr, r.stderr
     r = subprocess.run([*CLI, "rpc-server", "--host", "localhost", "--port", str(free_port())], capture_output=True,
                        text=True, timeout=60)
-    assert r.returncode != 0 and "IPv4 address" in r.stderr and "WARNING" in r.stderr, r.stderr
+    assert r.returncode == 2 and "IPv4 address" in r.stderr and "WARNING" in r.stderr, r.stderr
 
 
 # --- the target on RPC servers -------------------------------------------------------------------------------------
