@@ -94,20 +94,46 @@ def hello(ep: Endpoint, timeout: float = 5.0) -> float:
             reply = _recv(sock, 8 + 4 + _CAPS)
             rtt = time.perf_counter() - start
         except socket.timeout:
+            reply = _line_end_answer(sock, min(timeout, 1.0))
+            if reply:
+                raise _not_rpc(ep, reply) from None
             raise RPCError(f"RPC endpoint {ep}: no answer to the RPC handshake within {timeout:g} s (not an RPC "
                            "server, or one busy with another client: an rpc-server serves one at a time).") from None
         except OSError as e:
             raise RPCError(f"RPC endpoint {ep}: the connection failed during the handshake ({e.strerror or e}).") from None
     size = struct.unpack("<Q", reply[:8])[0] if len(reply) >= 8 else None
     if size != 4 + _CAPS:
-        shown = reply[:24].decode("latin-1").splitlines()[0] if reply else "nothing"
-        raise RPCError(f"RPC endpoint {ep} is not a llama.cpp RPC server (it answered the handshake with "
-                       f"{shown!r}).")
+        raise _not_rpc(ep, reply)
     major, minor, patch = reply[8], reply[9], reply[10]
     if major != PROTO_MAJOR or minor > PROTO_MINOR:
         raise RPCError(f"RPC endpoint {ep} speaks RPC protocol {major}.{minor}.{patch}; this llama.cpp speaks "
                        f"{PROTO_MAJOR}.{PROTO_MINOR}: run the same ggufspec and llama-cpp-python on both machines.")
     return rtt
+
+
+def _line_end_answer(sock: socket.socket, timeout: float) -> bytes:
+    """What a server silent after HELLO answers to a blank line, within `timeout`: b"" when nothing. A line-based
+    server (HTTP, SMTP, Redis...) waits for a line end, which HELLO's bytes lack; a blank line gets an answer out
+    of it. An rpc-server busy with another client has not read HELLO yet, and this connection closes before it
+    does."""
+    try:
+        sock.settimeout(timeout)
+        sock.sendall(b"\r\n\r\n")
+        return sock.recv(256)
+    except OSError:  # socket.timeout included
+        return b""
+
+
+def _not_rpc(ep: Endpoint, reply: bytes) -> RPCError:
+    """The error for a server at `ep` that answered the handshake with `reply`, not as an RPC server does."""
+    if not reply:
+        return RPCError(f"RPC endpoint {ep} is not a llama.cpp RPC server (it closed the connection at the "
+                        "handshake).")
+    shown = reply[:24].decode("latin-1").splitlines()[0]
+    head = reply.lstrip().lower()
+    what = ": an HTTP server" if head.startswith((b"http/", b"<!doctype html", b"<html")) else ""  # HTTP/0.9: a page
+    return RPCError(f"RPC endpoint {ep} is not a llama.cpp RPC server (it answered the handshake with {shown!r}"
+                    f"{what}).")
 
 
 def _recv(sock: socket.socket, n: int) -> bytes:
