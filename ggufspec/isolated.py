@@ -28,6 +28,7 @@ from typing import Any
 from .decoder import DecoderOptions, LlamaCppDecoder, common_prefix
 from .errors import GGUFSpecError, RPCError
 from .ggml_api import ABORT_CALLBACK, ggml
+from .llama_log import without_build_paths
 from .gguf_check import read_header
 from .model import LlamaModel
 from .rpc import Endpoint, check, parse_endpoints
@@ -121,7 +122,7 @@ class DecoderProcess:
             self._fail(f"the process that talks to {self.label} ended (exit status {self._proc.returncode})")
         if reply[0] == "abort":
             self._end()
-            self._fail(f"{self.label} failed: llama.cpp says {reply[1].strip()!r}")
+            self._fail(f"{self.label} failed: llama.cpp says {without_build_paths(reply[1].strip())!r}")
         return reply
 
     def _fail(self, why: str) -> None:

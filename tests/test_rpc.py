@@ -8,6 +8,7 @@ from __future__ import annotations
 import http.server
 import json
 import os
+import re
 import signal
 import socket
 import struct
@@ -194,6 +195,18 @@ def test_a_server_of_another_protocol_version_is_named() -> None:
             rpc.hello(rpc.Endpoint("127.0.0.1", old.getsockname()[1]))
 
 
+def test_llama_cpp_messages_lose_the_folder_it_was_built_in() -> None:
+    from ggufspec.llama_log import without_build_paths
+
+    built = ("/tmp/pip-wheel-j9r8v6gl/llama-cpp-python_34e2bf30/vendor/llama.cpp/ggml/src/ggml-rpc/ggml-rpc.cpp:566: "
+             "Remote RPC server crashed or returned malformed response")
+    assert without_build_paths(built) == "ggml-rpc.cpp:566: Remote RPC server crashed or returned malformed response"
+    assert without_build_paths(r"C:\src\llama.cpp\ggml\src\ggml.c:12: GGML_ASSERT(x) failed") == \
+        "ggml.c:12: GGML_ASSERT(x) failed"
+    kept = "cannot open /models/m.gguf: ggml.c:3 (see ggml-rpc.cpp)"
+    assert without_build_paths(kept) == kept  # a model's path, and source names without a folder, stay
+
+
 def test_a_build_without_rpc_gets_one_line_naming_the_build_flags(monkeypatch, smollm2_path) -> None:
     from click.testing import CliRunner
 
@@ -297,7 +310,10 @@ def test_a_server_killed_mid_generation_ends_it_with_the_text_so_far(smollm2_pat
         r, seconds = _generate_until_killed(smollm2_path, a, signal.SIGKILL)
     assert r.returncode == 1, (r.returncode, r.stderr)
     assert len(r.stdout) >= 40  # what was generated stays printed
-    assert r.stderr.strip().splitlines()[-1].startswith("error: RPC server 127.0.0.1:"), r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: RPC server 127.0.0.1:"), r.stderr
+    # llama.cpp's own words, without the folder it was compiled in (`/tmp/pip-wheel-.../ggml-rpc.cpp:566: ...`)
+    assert "llama.cpp says 'ggml-rpc.cpp:" in last and not re.search(r"[/\\][^\s']*\.cpp", last), last
     assert "Traceback" not in r.stderr and "core dumped" not in r.stderr
     assert seconds < 30
 
@@ -335,3 +351,28 @@ def test_serve_answers_503_while_its_server_is_down_and_recovers_after_a_restart
         log = server.stop()
         a.kill()
     assert "Traceback" not in log, log
+
+
+@needs_rpc
+def test_serve_tells_health_polls_without_the_key_no_more_than_a_reason(smollm2_path) -> None:
+    a = RPCServer()
+    server = Server("-m", str(smollm2_path), "--rpc", a.endpoint, "-c", "512", "--api-key", "k")
+    key = {"Authorization": "Bearer k"}
+    body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    try:
+        assert server.request("POST", "/v1/completions", body, headers=key)[0] == 200
+        a.kill()
+        status, _, answer = server.request("POST", "/v1/completions", body, headers=key)
+        assert status == 503 and answer["error"]["code"] == "rpc_server_unavailable", answer
+        assert not re.search(r"[/\\][^\s']*\.cpp", answer["error"]["message"]), answer  # no build folder
+        status, _, open_health = server.request("GET", "/health")
+        assert status == 503 and open_health["status"] == "error", open_health
+        assert a.endpoint not in open_health["error"] and "llama.cpp" not in open_health["error"], open_health
+        status, _, health = server.request("GET", "/health", headers=key)
+        assert status == 503 and a.endpoint in health["error"] and "reconnecting" in health["error"], health
+        assert not re.search(r"[/\\][^\s']*\.cpp", health["error"]), health
+    finally:
+        log = server.stop()
+        a.kill()
+    assert "Traceback" not in log, log
+

@@ -54,21 +54,27 @@ def create_app(worker: Worker, settings: GenerationSettings, model_id: str, limi
         return await _api_error(request, APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
                                                   code=code))
 
-    def authorized(request: Request) -> None:
-        """With --api-key, /v1, /slots and /openapi.json want `Authorization: Bearer KEY` (the scheme in any case,
-        RFC 9110); /health stays open, as in llama-server."""
+    def has_key(request: Request) -> bool:
+        """No --api-key, or the request sends `Authorization: Bearer KEY` (the scheme in any case, RFC 9110)."""
         if not api_key:
-            return
+            return True
         scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
+        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), api_key.encode())
+
+    def authorized(request: Request) -> None:
+        """With --api-key, /v1, /slots and /openapi.json want the key; /health stays open, as in llama-server."""
+        if not has_key(request):
             raise APIError(401, "invalid or missing API key: send Authorization: Bearer KEY", code="invalid_api_key")
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorized)])
 
     @app.get("/health")
-    async def health() -> JSONResponse:
+    async def health(request: Request) -> JSONResponse:
         failure = worker.remote_failure()
         if failure is not None:
+            # the details (the servers' addresses, llama.cpp's words) are for clients with the key: /health is open
+            if not has_key(request):
+                failure = "the model's RPC servers are unavailable; reconnecting as soon as they answer again"
             return JSONResponse({"status": "error", "error": failure}, status_code=503)
         stalled = worker.stalled_for()
         if stalled > STALL_SECONDS:
