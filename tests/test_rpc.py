@@ -79,6 +79,52 @@ def rpc_servers(n: int):
             s.kill()
 
 
+class SlowHandshakeRelay:
+    """A TCP relay on loopback to an RPC server's port that holds each connection's first answer (the handshake's)
+    `delay` seconds: a longer link as the round trip ggufspec measures sees it, without slowing the weights' upload.
+    A connection the server refuses is closed."""
+
+    def __init__(self, port: int) -> None:
+        self.port, self.delay = port, 0.0
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:  # closed
+                return
+            try:
+                server = socket.create_connection(("127.0.0.1", self.port), timeout=5)
+            except OSError:
+                client.close()
+                continue
+            server.settimeout(None)
+            threading.Thread(target=self._pipe, args=(client, server, 0.0), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, self.delay), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket, first_delay: float) -> None:
+        try:
+            while chunk := src.recv(1 << 16):
+                time.sleep(first_delay)
+                first_delay = 0.0
+                dst.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.listener.close()
+
+
 @pytest.fixture(scope="module")
 def reference(smollm2_path) -> dict[str, str]:
     """Greedy text on this machine with llama.cpp's plain CPU weight layout: an rpc-server's CPU computes with it
@@ -376,3 +422,29 @@ def test_serve_tells_health_polls_without_the_key_no_more_than_a_reason(smollm2_
         a.kill()
     assert "Traceback" not in log, log
 
+
+@needs_rpc
+def test_serve_measures_the_round_trip_again_when_its_server_comes_back(smollm2_path) -> None:
+    # rpc_round_trip_ms was measured once, at load: after a restart (a new link) it stayed the same float
+    a = RPCServer()
+    relay = SlowHandshakeRelay(a.port)
+    server = Server("-m", str(smollm2_path), "--rpc", relay.endpoint, "-c", "512", "--rpc-timeout", "10")
+    body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    try:
+        status, _, answer = server.request("POST", "/v1/completions", body)
+        assert status == 200 and 0 < answer["timings"]["rpc_round_trip_ms"] < 250, answer
+        a.kill()
+        assert server.request("POST", "/v1/completions", body)[0] == 503
+        relay.delay = 0.3  # the server comes back over a slower link
+        a = RPCServer(a.port)
+        deadline = time.monotonic() + 120
+        while server.request("GET", "/health")[0] != 200:
+            assert time.monotonic() < deadline, "the server did not recover"
+            time.sleep(0.5)
+        status, _, answer = server.request("POST", "/v1/completions", body)
+        assert status == 200 and answer["timings"]["rpc_round_trip_ms"] >= 300, answer
+    finally:
+        log = server.stop()
+        relay.close()
+        a.kill()
+    assert "Traceback" not in log, log
