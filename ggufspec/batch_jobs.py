@@ -5,11 +5,14 @@ JSON line the moment it finishes, in completion order, each line naming its prom
 stops (Ctrl-C, a crash, a full disk) leaves the finished lines; the same command again keeps them and generates the
 rest (a partial last line is dropped; prompts whose line records an error are tried again).
 
-Input: one prompt a line. A line that is a JSON object gives its prompt in `messages` (chat messages), `turns`
-(Spec-Bench/MT-Bench: the first turn, as a user message) or `prompt` (text, or token ids: HumanEval's shape), and
-its id in `custom_id`, `id`, `question_id` or `task_id` (else its line number); any other line is a text prompt
-as it is. Chat-shaped prompts go through the model's chat template; text prompts follow generate's rule (the
-template when the model has one, unless --raw).
+Input: one prompt a line. A line that starts with `{` is a JSON object that gives its prompt in `messages` (chat
+messages), `turns` (Spec-Bench/MT-Bench: the first turn, as a user message) or `prompt` (text, or token ids:
+HumanEval's shape), and its id in `custom_id`, `id`, `question_id` or `task_id` (else its line number); any other
+line is a text prompt as it is. A line that starts with `{` but is not such an object stops the run before any
+model loads, naming the line: it is a broken JSON line, which sent as text would be a silently wrong prompt (a
+text prompt that starts with `{` is written as {"prompt": "..."}). Chat-shaped prompts go through the model's chat
+template; text prompts follow generate's rule (the template when the model has one, unless --raw). `bench` reads
+its prompt files with the same reader (`read_prompts`).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class BatchPrompt:
     text: str | None = None  # a text prompt (templated or not, as generate decides)
     messages: tuple[dict[str, str], ...] | None = None  # chat messages: always the chat template
     tokens: tuple[int, ...] | None = None  # token ids: as they are
+    category: str | None = None  # a JSON line's `category` (Spec-Bench's): bench groups its figures by it
 
     @property
     def needs_template(self) -> bool:
@@ -84,12 +88,14 @@ def read_prompts(path: str | os.PathLike) -> list[BatchPrompt]:
 
 
 def _json_prompt(path: Path, n: int, index: int, line: str) -> BatchPrompt:
+    """The prompt of JSON line `n` (see the module's doc); GGUFSpecError naming the file and line when it is not one."""
     where = f"{path}:{n}"
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
         raise GGUFSpecError(f"{where}: not a JSON object ({e.msg} at column {e.colno}); a line that starts with `{{` "
-                            "must be one.") from None
+                            "must be one (a text prompt that starts with `{`: write it as {\"prompt\": \"...\"})."
+                            ) from None
     if not isinstance(obj, dict):  # e.g. `{"a": 1} trailing` fails above; this guards odd decoders
         raise GGUFSpecError(f"{where}: not a JSON object.")
     pid: Any = n
@@ -99,6 +105,15 @@ def _json_prompt(path: Path, n: int, index: int, line: str) -> BatchPrompt:
             if not isinstance(pid, ID_TYPES) or isinstance(pid, bool):
                 raise GGUFSpecError(f"{where}: `{name}` must be a string or an integer, got {json.dumps(pid)[:40]}.")
             break
+    category = obj.get("category")
+    if category is not None and (not isinstance(category, ID_TYPES) or isinstance(category, bool)):
+        raise GGUFSpecError(f"{where}: `category` must be a string or an integer, got {json.dumps(category)[:40]}.")
+    return BatchPrompt(index, pid, n, category=None if category is None else str(category),
+                       **_prompt_fields(where, obj))
+
+
+def _prompt_fields(where: str, obj: dict[str, Any]) -> dict[str, Any]:
+    """BatchPrompt's `messages`, `tokens` or `text` from the first prompt field of `obj` (PROMPT_FIELDS' order)."""
     key = next((f for f in PROMPT_FIELDS if f in obj), None)
     if key is None:
         raise GGUFSpecError(f"{where}: needs a `prompt` (text), `messages` (chat) or `turns` (Spec-Bench) field; "
@@ -110,18 +125,18 @@ def _json_prompt(path: Path, n: int, index: int, line: str) -> BatchPrompt:
                 for m in value):
             raise GGUFSpecError(f"{where}: `messages` must be a non-empty list of objects with a string `role` and "
                                 "`content`.")
-        return BatchPrompt(index, pid, n, messages=tuple({"role": m["role"], "content": m["content"]} for m in value))
+        return {"messages": tuple({"role": m["role"], "content": m["content"]} for m in value)}
     if key == "turns":
         if not isinstance(value, list) or not value or not isinstance(value[0], str) or not value[0].strip():
             raise GGUFSpecError(f"{where}: `turns` must be a list of strings, the first one not empty.")
-        return BatchPrompt(index, pid, n, messages=({"role": "user", "content": value[0]},))
+        return {"messages": ({"role": "user", "content": value[0]},)}
     if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        return BatchPrompt(index, pid, n, tokens=tuple(value))
+        return {"tokens": tuple(value)}
     if not isinstance(value, str):
         raise GGUFSpecError(f"{where}: `prompt` must be a string (or a list of token ids).")
     if not value.strip():
         raise GGUFSpecError(f"{where}: the prompt is empty.")
-    return BatchPrompt(index, pid, n, text=value)
+    return {"text": value}
 
 
 def engine_prompt(p: BatchPrompt, templated: bool, system: str | None) -> str | list:
@@ -262,13 +277,38 @@ class Outcome:
     target_passes: int = 0
     drafted: int = 0
     accepted: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # generating: from the first prompt sent to the slots to the last line written
+    wall_seconds: float = 0.0  # the whole run: reading the prompts, loading the models, measuring costs, generating
+
+
+def duration(seconds: float) -> str:
+    """A span of time as a person reads it: 19.9 s, 2 min 17 s, 1 h 05 min."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes} min {secs:02d} s" if minutes < 60 else f"{minutes // 60} h {minutes % 60:02d} min"
+
+
+def _summary(outcome: Outcome, out: Path, done_before: int, total: int, show_stats: bool) -> str:
+    """The closing line: lines written, prompts done, time generating (what tok/s is over) and the whole run's
+    wall time, which adds loading the models and measuring costs (minutes on a busy machine)."""
+    ok = outcome.written - len(outcome.failed)
+    tps = outcome.completion_tokens / outcome.seconds if outcome.seconds else 0.0
+    summary = (f"wrote {outcome.written} line{'s' * (outcome.written != 1)} to {out} ({done_before + ok} of {total} "
+               f"prompts done) in {duration(outcome.seconds)} generating, {duration(outcome.wall_seconds)} in all "
+               f"(with loading the models): {outcome.completion_tokens} tokens, {tps:.2f} tok/s while generating")
+    if show_stats:
+        summary += f" | {outcome.target_passes} target passes"
+        if outcome.drafted:
+            summary += f", acceptance {outcome.accepted / outcome.drafted:.1%} ({outcome.accepted}/{outcome.drafted})"
+    return summary
 
 
 def run_batch(*, batch_path: str, output: str, parallel: int, chat: bool, raw: bool, system: str | None,
               show_stats: bool, truncate_prompt: bool, context_shift: bool, params: dict,
               load_engine: Callable[..., Any]) -> int:
     """`generate --batch`: the exit code (0 all done, 2 when prompts failed, 130 interrupted)."""
+    started = time.perf_counter()
     source = Path(batch_path)
     prompts = read_prompts(source)  # bad input fails before any model loads
     out = check_output(output, source)
@@ -332,14 +372,8 @@ def run_batch(*, batch_path: str, output: str, parallel: int, chat: bool, raw: b
         finally:
             stream.close()
         outcome.seconds = time.perf_counter() - t0
-    ok = outcome.written - len(outcome.failed)
-    summary = (f"wrote {outcome.written} line{'s' * (outcome.written != 1)} to {out} ({len(done) + ok} of "
-               f"{len(prompts)} prompts done) in {outcome.seconds:.1f} s: {outcome.completion_tokens} tokens, "
-               f"{outcome.completion_tokens / outcome.seconds if outcome.seconds else 0.0:.2f} tok/s overall")
-    if show_stats:
-        summary += f" | {outcome.target_passes} target passes"
-        if outcome.drafted:
-            summary += f", acceptance {outcome.accepted / outcome.drafted:.1%} ({outcome.accepted}/{outcome.drafted})"
+    outcome.wall_seconds = time.perf_counter() - started
+    summary = _summary(outcome, out, len(done), len(prompts), show_stats)
     click.echo(summary, err=True)
     if outcome.failed:
         p, e = outcome.failed[0]

@@ -11,23 +11,25 @@ from __future__ import annotations
 import json
 import statistics
 from collections import Counter
+from importlib import resources
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from .engine import GenerationSettings, SpeculativeEngine
-from .errors import GGUFSpecError
+from .batch_jobs import engine_prompt, read_prompts
+from .engine import GenerationSettings, Prompt, SpeculativeEngine
 from .sampling import SamplingParams
 
 
 @dataclass(frozen=True)
 class BenchPrompt:
+    """One prompt of a benchmark: its id, its category (a row of the table) and what the engine gets."""
+
     id: str
     category: str
-    text: str
-    chat: bool  # instruction prompts go through the chat template; completions do not
+    prompt: Prompt  # chat messages go through the chat template; text and token ids do not (completions)
 
 
 @dataclass
@@ -57,34 +59,25 @@ class Run:
     stats: dict[str, float]
 
 
-def load_prompts(path: str | Path, limit: int | None = None, per_category: int | None = None) -> list[BenchPrompt]:
-    """JSONL with `turns` (Spec-Bench: first turn, chat) or `prompt` (HumanEval: completion), or text lines.
+def default_prompts() -> Path:
+    """The built-in prompt set `bench` runs without -p: eight short prompts of six categories, in the shapes
+    `generate --batch` reads (Spec-Bench's `turns`, HumanEval's `prompt`, chat `messages`)."""
+    return Path(str(resources.files("ggufspec") / "prompts" / "bench.jsonl"))
+
+
+def load_prompts(path: str | Path | None = None, limit: int | None = None,
+                 per_category: int | None = None) -> list[BenchPrompt]:
+    """The prompts of `path` (None: default_prompts()), read as `generate --batch` reads its file
+    (batch_jobs.read_prompts: JSON lines with `messages`, `turns` or `prompt` and an id, or text lines), so a bad
+    line is a GGUFSpecError naming it. Chat messages and `turns` go through the chat template; text lines and
+    `prompt` text are completions, as HumanEval's prompts are. A prompt's category is its `category` field, else
+    the file's name without its suffix.
 
     per_category keeps the first N prompts of each category; limit then keeps the first N of those.
     """
-    p = Path(path)
-    if not p.is_file():
-        raise GGUFSpecError(f"{p}: no such prompt file.")
-    out: list[BenchPrompt] = []
-    for i, line in enumerate(p.read_text(encoding="utf-8").splitlines()):
-        if not line.strip():
-            continue
-        if p.suffix == ".jsonl":
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise GGUFSpecError(f"{p}:{i + 1}: not JSON ({e.msg}).") from None
-            pid = str(obj.get("question_id", obj.get("task_id", i)))
-            if "turns" in obj:
-                out.append(BenchPrompt(pid, obj.get("category", "all"), obj["turns"][0], True))
-            elif "prompt" in obj:
-                out.append(BenchPrompt(pid, obj.get("category", p.stem), obj["prompt"], False))
-            else:
-                raise GGUFSpecError(f"{p}:{i + 1}: needs a `turns` or a `prompt` field.")
-        else:
-            out.append(BenchPrompt(str(i), p.stem, line, False))
-    if not out:
-        raise GGUFSpecError(f"{p}: no prompts in it.")
+    p = Path(path) if path is not None else default_prompts()
+    out = [BenchPrompt(str(b.id), b.category or p.stem, engine_prompt(b, templated=False, system=None))
+           for b in read_prompts(p)]
     if per_category:
         seen: Counter[str] = Counter()
         kept = []
@@ -120,8 +113,7 @@ def run_bench(
                     )
                     if cfg.fresh:
                         engine.reset()
-                    text = [{"role": "user", "content": prompt.text}] if prompt.chat else prompt.text
-                    result = engine.generate(text, settings)
+                    result = engine.generate(prompt.prompt, settings)
                     if rep >= 0:
                         runs.append(Run(prompt.id, prompt.category, method, temp, rep, result.tokens,
                                         result.stats.to_dict()))

@@ -8,6 +8,7 @@ gives one clear error instead of a hang, a traceback or an exhausted machine; an
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import itertools
 import json
 import queue
@@ -17,7 +18,11 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
 from typing import TypedDict
+
+import llama_cpp
 
 from .errors import Cancelled, ContextLengthError, GGUFSpecError
 from .vocab import Vocab
@@ -136,6 +141,57 @@ class ChatRenderer:
             self._kill()
 
 
+@cache
+def builtin_template_names() -> tuple[str, ...]:
+    """The names of llama.cpp's built-in chat templates (llama_chat_builtin_templates: chatml, llama3, gemma, ...)."""
+    n = llama_cpp.llama_chat_builtin_templates(None, 0)
+    names = (ctypes.c_char_p * n)()
+    llama_cpp.llama_chat_builtin_templates(names, n)
+    return tuple(sorted(name.decode() for name in names))
+
+
+@dataclass(frozen=True)
+class BuiltinTemplate:
+    """One of llama.cpp's built-in chat templates, by name (`--chat-template chatml`, as llama-cli takes it).
+
+    llama_chat_apply_template renders it: C++ code of llama.cpp's own, not a template from a model file, so it runs
+    here, without ChatRenderer's sandbox, and takes the same `render` call."""
+
+    name: str
+
+    def render(self, messages: list[Message], max_chars: int, cancelled: Callable[[], bool] | None = None) -> str:
+        """The prompt text for `messages` with the assistant's turn opened; errors as ChatRenderer.render's."""
+        if any("\0" in m["role"] or "\0" in m["content"] for m in messages):  # C strings would end there
+            raise GGUFSpecError(f"a message holds a NUL character, which llama.cpp's {self.name!r} template cannot "
+                                "carry")
+        chat = (llama_cpp.llama_chat_message * len(messages))(*(
+            llama_cpp.llama_chat_message(role=m["role"].encode(), content=m["content"].encode()) for m in messages))
+        n = llama_cpp.llama_chat_apply_template(self.name.encode(), chat, len(messages), True, None, 0)
+        if n < 0:
+            raise GGUFSpecError(f"llama.cpp's {self.name!r} chat template cannot render these messages")
+        buf = ctypes.create_string_buffer(n + 1)
+        llama_cpp.llama_chat_apply_template(self.name.encode(), chat, len(messages), True, buf, n + 1)
+        text = buf.raw[:n].decode("utf-8", errors="replace")
+        if len(text) > max_chars:
+            raise ContextLengthError(f"the chat template rendered {len(text)} characters, more than the "
+                                     f"{max_chars} that can fit the context")
+        return text
+
+
+Template = str | BuiltinTemplate  # a Jinja template's text (the GGUF's, or --chat-template's) or a built-in one
+
+
+def template_override(value: str) -> Template:
+    """--chat-template's value, as llama.cpp takes it: one of its built-in names, or a Jinja template's text (one
+    with `{%` or `{{`, rendered like a GGUF's). GGUFSpecError listing the names for anything else."""
+    if value in builtin_template_names():
+        return BuiltinTemplate(value)
+    if "{%" in value or "{{" in value:
+        return value
+    names = ", ".join(builtin_template_names())
+    raise GGUFSpecError(f"{value!r} is not one of llama.cpp's built-in chat templates ({names}) nor a Jinja template")
+
+
 def _spawn() -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "ggufspec.template_sandbox"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
@@ -165,10 +221,14 @@ _renderers: OrderedDict[tuple[str, str, str], ChatRenderer] = OrderedDict()
 _renderers_lock = threading.Lock()
 
 
-def renderer(template: str | None, bos_token: str = "", eos_token: str = "") -> ChatRenderer:
-    """The renderer of `template` (one child process per template, BOS and EOS, kept for the process's life)."""
+def renderer(template: Template | None, bos_token: str = "", eos_token: str = "") -> ChatRenderer | BuiltinTemplate:
+    """The renderer of `template` (one child process per Jinja template, BOS and EOS, kept for the process's life;
+    a built-in template renders itself)."""
     if not template:
-        raise GGUFSpecError("this model has no chat template (tokenizer.chat_template); pass a plain prompt without --chat.")
+        raise GGUFSpecError("this model has no chat template (tokenizer.chat_template); pass a plain prompt without "
+                            "--chat, or name one with --chat-template.")
+    if isinstance(template, BuiltinTemplate):
+        return template
     key = (template, bos_token, eos_token)
     with _renderers_lock:
         r = _renderers.get(key)
@@ -180,7 +240,7 @@ def renderer(template: str | None, bos_token: str = "", eos_token: str = "") -> 
         return r
 
 
-def render_chat(template: str | None, messages: list[Message], bos_token: str = "", eos_token: str = "",
+def render_chat(template: Template | None, messages: list[Message], bos_token: str = "", eos_token: str = "",
                 max_chars: int = 1 << 30) -> str:
     """The prompt text for `messages`; raises GGUFSpecError when the model has no usable template."""
     return renderer(template, bos_token, eos_token).render(messages, max_chars)
@@ -193,7 +253,7 @@ def special_texts(vocab: Vocab) -> tuple[str, str]:
     return bos, eos
 
 
-def chat_tokens(vocab: Vocab, template: str | None, messages: list[Message], n_ctx: int | None = None,
+def chat_tokens(vocab: Vocab, template: Template | None, messages: list[Message], n_ctx: int | None = None,
                 cancelled: Callable[[], bool] | None = None) -> list[int]:
     """Token ids of `messages` in the chat template, with the BOS the GGUF asks for exactly once (whether or not
     the template writes it). With `n_ctx`, a conversation that cannot leave room for one token in it raises

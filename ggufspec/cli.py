@@ -111,6 +111,74 @@ def _answer_length(default: int | None) -> Settings:
                 help="Most tokens per answer; -1: up to the end of the context" + ("." if default else " (the default)."))
 
 
+#: llama.cpp's --spec-type names (common/speculative.cpp) and the method that drafts so here; a list naming both a
+#: draft model and n-grams is `auto`, which drafts from both where that pays.
+SPEC_TYPES: Mapping[str, str] = {
+    "none": "autoregressive", "draft-simple": "vanilla",
+    **dict.fromkeys(("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache"), "lookup"),
+}
+#: ... and the ones with no counterpart here: what each drafts with
+SPEC_TYPES_ELSEWHERE: Mapping[str, str] = {
+    "draft-eagle3": "EAGLE-3 heads", "draft-mtp": "a model's multi-token-prediction layers",
+    "draft-dflash": "DFlash drafts", "draft-dspark": "DSpark drafts",
+}
+
+
+class SpecType(click.ParamType):
+    """--spec-type, llama.cpp's comma list of speculative types: the method here that drafts as they do."""
+
+    name = "TYPE[,TYPE]"
+
+    def convert(self, value, param, ctx) -> str:
+        names = [n.strip() for n in str(value).split(",") if n.strip()]
+        for n in names:
+            if n in SPEC_TYPES_ELSEWHERE:
+                self.fail(f"{n}: ggufspec does not draft with {SPEC_TYPES_ELSEWHERE[n]}; use a draft model (-md "
+                          "DRAFT.gguf, draft-simple), n-grams (ngram-mod) or Medusa heads (--method medusa --medusa "
+                          "HEADS.gguf)", param, ctx)
+            if n not in SPEC_TYPES:
+                self.fail(f"{n!r} is none of llama.cpp's types that ggufspec runs: {', '.join(SPEC_TYPES)}", param, ctx)
+        if not names:
+            self.fail(f"give one or more of {', '.join(SPEC_TYPES)}, separated by commas", param, ctx)
+        methods = {SPEC_TYPES[n] for n in names} - {"autoregressive"} or {"autoregressive"}  # `none` adds nothing
+        return "auto" if len(methods) > 1 else methods.pop()
+
+
+class ChatTemplateName(click.ParamType):
+    """--chat-template: one of llama.cpp's built-in template names, or a Jinja template (chat.template_override)."""
+
+    name = "NAME|JINJA"
+
+    def convert(self, value, param, ctx):
+        from .chat import template_override
+
+        if not isinstance(value, str):
+            return value
+        try:
+            return template_override(value)
+        except GGUFSpecError as e:
+            self.fail(str(e), param, ctx)
+
+
+def _refusal(why: str) -> Callable[[click.Context, click.Parameter, bool], None]:
+    """The callback of a refused flag: when given, one usage error naming it and `why` (what to use instead)."""
+    def refuse(ctx: click.Context, param: click.Parameter, given: bool) -> None:
+        if given:
+            raise click.UsageError(f"{'/'.join(param.opts)}: {why}.", ctx)
+    return refuse
+
+
+def accepted(*decls: str, serves: Iterable[str], why: str) -> Option:
+    """A llama.cpp flag that asks for what this command always does: taken, and it changes nothing (`why`)."""
+    return option(*decls, serves=serves, is_flag=True, expose_value=False, help=f"As llama.cpp's; no effect: {why}.")
+
+
+def refused(*decls: str, serves: Iterable[str], why: str) -> Option:
+    """A llama.cpp flag with no counterpart in this command: refused with one line, `why`, that says what to use
+    instead (not in --help; without it click would misread the flag, e.g. -cnv as -c nv)."""
+    return option(*decls, serves=serves, is_flag=True, expose_value=False, hidden=True, callback=_refusal(why))
+
+
 GENERATION = frozenset({"generate", "chat", "serve"})  # the commands that answer
 RUNS = GENERATION | {"bench"}  # ... and the one that times them
 LOADS = RUNS | {"doctor"}  # every command that opens llama.cpp contexts
@@ -125,18 +193,34 @@ OPTIONS: tuple[Option, ...] = (
            help="The prompt, as llama-cli takes it (instead of the PROMPT argument)."),
     option("-f", "--file", "prompt_file", serves={"generate"}, type=click.File("rb"), default=None,
            help="Read the prompt from a file (`-`: standard input)."),
+    option("-e", "--escape/--no-escape", "escape", serves={"generate"}, default=False,
+           help="Turn \\n, \\r, \\t, \\', \\\", \\\\ and \\xNN in the prompt and --stop strings into the characters "
+                "they name, as llama-cli does (there by default)."),
     option("--chat", serves={"generate"}, is_flag=True,
            help="Wrap the prompt in the model's chat template (the default when it has one)."),
     option("--raw", serves={"generate"}, is_flag=True,
            help="Plain completion: the prompt as it is, without the chat template."),
     option("--system", "-sys", "--system-prompt", "system", serves={"generate", "chat"}, default=None,
            help="System message.", per={"generate": dict(help="System message (implies --chat).")}),
+    option("--chat-template", "chat_template", serves=GENERATION, type=ChatTemplateName(), default=None,
+           help="Render chat messages with one of llama.cpp's built-in templates (chatml, llama3, gemma, mistral-v7, "
+                "phi4, ...: the list is in the error for an unknown name) or with this Jinja template, instead of the "
+                "model's."),
+    accepted("--jinja", serves=GENERATION, why="chat templates are always rendered as Jinja here"),
+    accepted("-cnv", "--conversation", serves={"chat"}, why="chat is one"),
+    refused("-cnv", "--conversation", serves={"generate"},
+            why="llama-cli's conversation mode is `ggufspec chat` here (generate answers one prompt)"),
+    accepted("-no-cnv", "--no-conversation", serves={"generate"}, why="generate answers one prompt"),
+    refused("-no-cnv", "--no-conversation", serves={"chat"},
+            why="chat is a conversation; one prompt without one is `ggufspec generate`"),
     option("--truncate-prompt", serves={"generate"}, is_flag=True,
            help="Keep the end of a prompt that does not fit the context."),
     option("--context-shift", serves={"generate"}, is_flag=True,
            help="When the context is full, drop the older half of the text after the prompt's start and go on."),
-    option("--color/--no-color", "colour", serves={"chat"}, default=None,
-           help="Show draft tokens the target kept in a second colour (default: on in a terminal, off with NO_COLOR)."),
+    option("--color/--no-color", "colour", serves={"chat", "generate"}, default=None,
+           help="Show draft tokens the target kept in a second colour (default: on in a terminal, off with NO_COLOR).",
+           per={"generate": dict(help="Show draft tokens the target kept in a second colour, as chat does "
+                                      "(default: off).")}),
     option("--stats", "show_stats", serves={"generate", "chat"}, is_flag=True, help="Print a stats line to stderr.",
            per={"chat": dict(help="Print a stats line to stderr after every answer.")}),
     option("--json", "as_json", serves={"generate"}, is_flag=True,
@@ -188,8 +272,11 @@ OPTIONS: tuple[Option, ...] = (
            per={"bench": dict(help="A named pair from `ggufspec models` (target, draft or heads), fetched from the hub "
                                    "when needed.")}),
     # what bench runs
-    option("-p", "--prompts", "prompts_path", serves={"bench"}, required=True, type=click.Path(dir_okay=False),
-           help="JSONL (Spec-Bench `turns` or HumanEval `prompt`) or a text file, one prompt a line."),
+    option("-p", "--prompts", "prompts_path", serves={"bench"}, default=None, type=click.Path(dir_okay=False),
+           help="Prompts, one a line, as `generate --batch` reads them: text, or JSON objects with `prompt` "
+                "(HumanEval: a completion), `turns` (Spec-Bench) or `messages` (chat), an id and a `category`. "
+                "Default: a built-in set of 8 short prompts (coding, math, writing, summarization, extraction, "
+                "translation)."),
     option("--limit", serves={"bench"}, type=click.IntRange(min=1), default=None, help="Use the first N prompts."),
     option("--per-category", serves={"bench"}, type=click.IntRange(min=1), default=None,
            help="Use the first N prompts of each category (before --limit)."),
@@ -197,6 +284,9 @@ OPTIONS: tuple[Option, ...] = (
     option("--method", serves=GENERATION, type=click.Choice(list(METHODS)), default=None,
            help=f"{methods_help()}. Default: auto.",
            per={"generate": dict(help=f"{methods_help()}. Default: auto with a draft or --medusa, else autoregressive.")}),
+    option("--spec-type", "spec_type", serves=GENERATION, type=SpecType(), default=None,
+           help="llama.cpp's speculative types, as the method that drafts so here: ngram-* is lookup, draft-simple "
+                "vanilla, both (a comma list) auto, none autoregressive."),
     option("--method", "methods", serves={"bench"}, multiple=True, type=click.Choice(list(METHODS)),
            help="Methods to compare (repeatable; default: autoregressive, vanilla with a draft, medusa with --medusa "
                 "heads, and auto; without either: autoregressive and auto, which is prompt lookup where it pays)."),
@@ -295,6 +385,8 @@ OPTIONS: tuple[Option, ...] = (
     option("-ctv", "--cache-type-v", "--kv-type-v", "kv_type_v", serves=LOADS, type=click.Choice(KV_TYPES),
            default=None, help="V cache type alone (default: as --kv-type)."),
     option("-v", "--verbose", serves=LOADS, is_flag=True, help="Show llama.cpp's log lines."),
+    option("--log-disable", serves=LOADS, is_flag=True,
+           help="No llama.cpp log lines, as llama.cpp's (they are off already unless -v, which this overrides)."),
     option("--no-memory-check", serves=LOADS, is_flag=True, help="Load even when weights + KV exceed the free RAM."),
 )
 
@@ -311,7 +403,7 @@ def options_for(command: str) -> Callable[[F], F]:
 
 def decoder_options(n_ctx, n_batch, n_ubatch, threads, threads_batch, n_gpu_layers, rpc, tensor_split, rpc_draft,
                     rpc_timeout, no_mmap, mlock, no_repack, flash_attn, fa, kv_type, kv_type_k, kv_type_v, verbose,
-                    no_memory_check):
+                    log_disable, no_memory_check):
     from .decoder import DecoderOptions, gpu_offload
     from .rpc import parse_endpoints, require
 
@@ -341,7 +433,9 @@ def decoder_options(n_ctx, n_batch, n_ubatch, threads, threads_batch, n_gpu_laye
             n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=threads, n_threads_batch=threads_batch,
             n_gpu_layers=n_gpu_layers, rpc=endpoints, tensor_split=split, rpc_draft=rpc_draft, rpc_timeout=rpc_timeout,
             use_mmap=not no_mmap, use_mlock=mlock, repack=not no_repack, flash_attn=flash_attn,
-            kv_type=kv_type, kv_type_k=kv_type_k, kv_type_v=kv_type_v, verbose=verbose, memory_check=not no_memory_check,
+            kv_type=kv_type, kv_type_k=kv_type_k, kv_type_v=kv_type_v,
+            verbose=verbose and not log_disable,  # as llama.cpp, where --log-disable pauses the log whatever -v says
+            memory_check=not no_memory_check,
         )
     except ValueError as e:
         raise click.UsageError(str(e)) from None
@@ -362,8 +456,10 @@ def load_engine(params: dict, default_method: str | None = None, parallel: int |
 
     g = {k: params.pop(k) for k in _GENERATION_KEYS}
     ignore_eos = params.pop("ignore_eos", False)  # generate's and serve's (a chat turn would never end)
+    template = params.pop("chat_template")
     options = decoder_options(**{k: params.pop(k) for k in _MODEL_KEYS})
-    target, draft, medusa_path, method, draft_max = g["target"], g["draft"], g["medusa_path"], g["method"], g["draft_max"]
+    method = _spec_method(g["method"], params.pop("spec_type"))
+    target, draft, medusa_path, draft_max = g["target"], g["draft"], g["medusa_path"], g["draft_max"]
     if target is None:
         target, draft, medusa_path, method, draft_max = _from_preset(g["preset"] or "demo", draft, medusa_path, method,
                                                                      draft_max, gpu=options.offloads)
@@ -381,9 +477,21 @@ def load_engine(params: dict, default_method: str | None = None, parallel: int |
     if parallel is not None:
         from .pool import EnginePool
 
-        return EnginePool.load(target, draft, options, settings, medusa_path, medusa_vocab, parallel=parallel), settings
+        pool = EnginePool.load(target, draft, options, settings, medusa_path, medusa_vocab, parallel=parallel)
+        for slot in pool.slots:
+            slot.engine.chat_template = template or slot.engine.chat_template
+        return pool, settings
     engine = SpeculativeEngine.load(target, draft, options, settings, medusa_path=medusa_path, medusa_vocab=medusa_vocab)
+    engine.chat_template = template or engine.chat_template  # --chat-template over the GGUF's
     return engine, settings
+
+
+def _spec_method(method: str | None, spec_method: str | None) -> str | None:
+    """--method, or the method --spec-type (llama.cpp's spelling, SpecType) asks for; both must agree."""
+    if spec_method is not None and method is not None and spec_method != method:
+        raise click.UsageError(f"--spec-type asks for --method {spec_method} here, which contradicts --method "
+                               f"{method}: give one of them.")
+    return spec_method or method
 
 
 def _medusa_vocab(value: str | None, medusa_path: str | None) -> int | str | None:
@@ -396,8 +504,8 @@ def _medusa_vocab(value: str | None, medusa_path: str | None) -> int | str | Non
 @main.command()
 @click.argument("prompt", required=False)
 @options_for("generate")
-def generate(prompt, prompt_option, prompt_file, chat, raw, system, truncate_prompt, context_shift, show_stats, as_json,
-             batch_path, output, parallel, **params) -> None:
+def generate(prompt, prompt_option, prompt_file, escape, chat, raw, system, truncate_prompt, context_shift, colour,
+             show_stats, as_json, batch_path, output, parallel, **params) -> None:
     """Generate text from PROMPT (`-` reads standard input; or -p TEXT, -f FILE).
 
     A model with a chat template gets PROMPT as a user message in it (as llama-cli and mlx_lm.generate do);
@@ -405,15 +513,15 @@ def generate(prompt, prompt_option, prompt_file, chat, raw, system, truncate_pro
 
     Batch jobs: --batch PROMPTS.jsonl -o OUT.jsonl [--parallel N] generates every prompt of a file, N at once,
     each result a line of OUT.jsonl; run again after an interruption, it generates only what is missing."""
-    raw_conflict = "--raw gives the prompt as it is: it does not go with --chat or --system."
+    if raw and (chat or system is not None):
+        raise click.UsageError("--raw gives the prompt as it is: it does not go with --chat or --system.")
     if batch_path is not None:
-        given = [name for name, v in (("a PROMPT", prompt), ("-p", prompt_option), ("-f", prompt_file)) if v is not None]
+        given = [name for name, v in (("a PROMPT", prompt), ("-p", prompt_option), ("-f", prompt_file),
+                                      ("-e/--escape", escape or None), ("--color", colour or None)) if v is not None]
         if given:
             raise click.UsageError(f"--batch reads the prompts from {batch_path}: it does not go with {given[0]}.")
         if as_json:
             raise click.UsageError("--batch writes JSON lines to -o already: leave out --json.")
-        if raw and (chat or system is not None):
-            raise click.UsageError(raw_conflict)
         if output is None:
             raise click.UsageError("--batch needs -o OUT.jsonl, the file each prompt's result goes to (and a rerun "
                                    "resumes from).")
@@ -431,32 +539,81 @@ def generate(prompt, prompt_option, prompt_file, chat, raw, system, truncate_pro
     if parallel != 1:
         raise click.UsageError(f"--parallel {parallel} generates several prompts at once with --batch; one prompt "
                                "runs in one slot.")
-    prompt = _prompt_text(prompt, prompt_option, prompt_file)
-    if raw and (chat or system is not None):
-        raise click.UsageError(raw_conflict)
+    if as_json and colour:
+        raise click.UsageError("--color colours the streamed text, and --json streams none: leave out one of them.")
+    prompt = _prompt_text(prompt, prompt_option, prompt_file, escape)
+    if escape:  # as llama.cpp, which processes the reverse prompts' escapes too
+        params["stop"] = tuple(_escaped(s, f"--stop {s!r}") for s in params["stop"])
     engine, _ = load_engine(params, truncate_prompt=truncate_prompt, context_shift=context_shift)
     try:
         templated = not raw and (chat or system is not None or engine.has_chat_template)
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        try:
-            for r in engine.stream(messages if templated else prompt):
-                if not as_json and r.text:
-                    sys.stdout.write(r.text)
-                    sys.stdout.flush()
-        except KeyboardInterrupt:
-            _finish(engine.last_result, show_stats, as_json)
-            sys.exit(EXIT_INTERRUPTED)
-        _finish(engine.last_result, show_stats, as_json)
-        if engine.last_result is not None and engine.last_result.stop_reason == "length" and not as_json:
-            click.echo(f"(stopped: the context of {engine.n_ctx} tokens is full; raise -c/--ctx-size, or go on past it "
-                       "with --context-shift)", err=True)
+        _stream(engine, messages if templated else prompt, show_stats, as_json, bool(colour))
     finally:
         engine.close()
 
 
-def _prompt_text(argument: str | None, option: str | None, file) -> str:
-    """The one prompt given as PROMPT, -p or -f (`-` as PROMPT or FILE: standard input), checked to be UTF-8 text
-    (Python hands undecodable bytes of argv and stdin on as surrogates, which fail later, far from the input)."""
+def _stream(engine, prompt, show_stats: bool, as_json: bool, colour: bool) -> None:
+    """generate's one answer: streamed to stdout (the draft tokens the target kept in a second colour with
+    `colour`), or one JSON object; the stats line, a full context's note; Ctrl-C exits 130 after both."""
+    from .terminal_chat import DRAFT_COLOUR, RESET
+
+    try:
+        for r in engine.stream(prompt):
+            if not as_json and r.text:
+                sys.stdout.write(f"{DRAFT_COLOUR}{r.text}{RESET}" if colour and r.from_draft else r.text)
+                sys.stdout.flush()
+    except KeyboardInterrupt:
+        _finish(engine.last_result, show_stats, as_json)
+        sys.exit(EXIT_INTERRUPTED)
+    _finish(engine.last_result, show_stats, as_json)
+    if engine.last_result is not None and engine.last_result.stop_reason == "length" and not as_json:
+        click.echo(f"(stopped: the context of {engine.n_ctx} tokens is full; raise -c/--ctx-size, or go on past it "
+                   "with --context-shift)", err=True)
+
+
+# -e/--escape: llama.cpp's string_process_escapes (common/common.cpp). A backslash before one of these gives its byte;
+# before x and two hex digits, the byte they spell; before anything else (and at the end) it stays, as does that.
+ESCAPES: Mapping[int, int] = {ord(k): ord(v) for k, v in (("n", "\n"), ("r", "\r"), ("t", "\t"), ("'", "'"),
+                                                            ('"', '"'), ("\\", "\\"))}
+HEX_DIGITS = frozenset(b"0123456789abcdefABCDEF")
+
+
+def process_escapes(data: bytes) -> bytes:
+    """`data` with its escapes processed as llama.cpp's -e does (ESCAPES); bytes in, bytes out, since \\xNN may
+    spell part of a UTF-8 character."""
+    out, i = bytearray(), 0
+    while i < len(data):
+        c, nxt = data[i], data[i + 1] if i + 1 < len(data) else None
+        if c != ord("\\") or nxt is None:
+            out.append(c)
+            i += 1
+        elif nxt in ESCAPES:
+            out.append(ESCAPES[nxt])
+            i += 2
+        elif nxt == ord("x") and len(data) > i + 3 and {data[i + 2], data[i + 3]} <= HEX_DIGITS:
+            out.append(int(data[i + 2:i + 4], 16))
+            i += 4
+        else:
+            out += data[i:i + 2]
+            i += 2
+    return bytes(out)
+
+
+def _escaped(text: str, where: str) -> str:
+    """`text` with its escapes processed; a usage error when they spell bytes that are not UTF-8."""
+    data = process_escapes(text.encode("utf-8", "surrogateescape"))
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise click.UsageError(f"{where}: with -e its escapes give byte 0x{data[e.start]:02x} at offset {e.start}, "
+                               "which is not UTF-8 text.") from None
+
+
+def _prompt_text(argument: str | None, option: str | None, file, escape: bool = False) -> str:
+    """The one prompt given as PROMPT, -p or -f (`-` as PROMPT or FILE: standard input), its escapes processed with
+    `escape` (-e), checked to be UTF-8 text (Python hands undecodable bytes of argv and stdin on as surrogates, which
+    fail later, far from the input)."""
     given = [x for x in (argument, option, file) if x is not None]
     if len(given) != 1:
         raise click.UsageError("give the prompt once: as PROMPT, -p TEXT or -f FILE." if given else
@@ -468,6 +625,8 @@ def _prompt_text(argument: str | None, option: str | None, file) -> str:
     else:
         text = argument if argument is not None else option
         data, where = text.encode("utf-8", "surrogateescape"), "the prompt"
+    if escape:
+        data, where = process_escapes(data), f"{where} (its escapes processed)"
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -579,11 +738,14 @@ def bench(target, draft, preset, prompts_path, limit, per_category, methods, tem
           **model_opts) -> None:
     """Compare methods side by side on a prompt set: tok/s and speedup (median over repetitions, with their
     min-max), acceptance, time split. A warning on stderr names a cell whose spread is too wide to trust."""
-    from .bench import (BenchConfig, default_methods, format_table, load_prompts, run_bench, spread_warning, summarize,
-                        to_json)
+    from .bench import (BenchConfig, default_methods, default_prompts, format_table, load_prompts, run_bench,
+                        spread_warning, summarize, to_json)
     from .engine import SpeculativeEngine
 
     prompts = load_prompts(prompts_path, limit, per_category)  # a bad file fails before any model is fetched
+    if prompts_path is None:
+        prompts_path = default_prompts()
+        click.echo(f"prompts: the built-in set, {len(prompts)} of them (-p FILE for your own)", err=True)
     options = decoder_options(**model_opts)
     if target is None:  # as generate/chat/serve: the preset's files, the offline demo pair by default
         preset = preset or "demo"

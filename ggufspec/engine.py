@@ -13,7 +13,7 @@ from typing import Literal
 
 import numpy as np
 
-from .chat import Message, chat_tokens, prestart
+from .chat import Message, Template, chat_tokens, prestart
 from .costs import CostModel, cached_measure
 from .decoder import DecoderOptions, LlamaCppDecoder
 from .errors import ContextLengthError, GGUFSpecError, ModelFileError
@@ -112,6 +112,8 @@ class SpeculativeEngine:
         if draft is not None:
             check_pair(target, draft)
         self.last_result: GenerationResult | None = None
+        # what chat messages are rendered with: the GGUF's Jinja template, or what --chat-template names instead
+        self.chat_template: Template | None = target.metadata("tokenizer.chat_template")
         self.medusa: Heads | None = None  # set by load(medusa_path=...)
         self.costs = costs  # the cost model `auto` prices steps with: measured at its first run when None
         self._auto: dict[bool, AutoPolicy] = {}  # with and without a draft model, kept across generations
@@ -221,7 +223,7 @@ class SpeculativeEngine:
 
     @property
     def has_chat_template(self) -> bool:
-        return bool(self.target.metadata("tokenizer.chat_template"))
+        return bool(self.chat_template)
 
     def encode(self, prompt: Prompt, n_ctx: int | None = None, cancelled: Callable[[], bool] | None = None) -> list[int]:
         """Token ids of a plain prompt, or of chat messages rendered with the GGUF's chat template.
@@ -245,7 +247,7 @@ class SpeculativeEngine:
             return vocab.encode(prompt, add_special=True, n_ctx=n_ctx)
         if not prompt:
             raise GGUFSpecError("no chat messages given.")
-        return chat_tokens(vocab, self.target.metadata("tokenizer.chat_template"), prompt, n_ctx, cancelled)
+        return chat_tokens(vocab, self.chat_template, prompt, n_ctx, cancelled)
 
     # --- generation -----------------------------------------------------------------------
 

@@ -19,6 +19,12 @@ class RPCError(GGUFSpecError):
     exit_code = EXIT_FAILED
 
 
+class EndpointError(RPCError):
+    """An RPC endpoint written wrong (no port, a bad port, IPv6, given twice): a usage error, exit code 2."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
 class ModelFileError(GGUFSpecError):
     """A model file is missing, unreadable, not GGUF, truncated or inconsistent."""
 

@@ -28,6 +28,7 @@ from typing import Any
 from .decoder import DecoderOptions, LlamaCppDecoder, common_prefix
 from .errors import GGUFSpecError, RPCError
 from .ggml_api import ABORT_CALLBACK, ggml
+from .llama_log import without_build_paths
 from .gguf_check import read_header
 from .model import LlamaModel
 from .rpc import Endpoint, check, parse_endpoints
@@ -55,7 +56,8 @@ class DecoderProcess:
         self.failure: RPCError | None = None
         self.decoders: list[IsolatedDecoder] = []  # open ones, reopened by recover()
         self.recovering = self.closed = False
-        self.round_trip = 0.0  # seconds: the endpoints' slowest handshake, when open_target made this process
+        self.round_trip = 0.0  # seconds: the endpoints' slowest handshake, when open_target made this process and
+        # again at each recovery (a restarted server, a new tunnel: another link)
         self._lock = threading.Lock()  # one call at a time on the pipe
         self._stale: list[int | None] = []  # handles of calls whose replies the parent stopped waiting for (Ctrl-C)
         self._start()
@@ -121,7 +123,7 @@ class DecoderProcess:
             self._fail(f"the process that talks to {self.label} ended (exit status {self._proc.returncode})")
         if reply[0] == "abort":
             self._end()
-            self._fail(f"{self.label} failed: llama.cpp says {reply[1].strip()!r}")
+            self._fail(f"{self.label} failed: llama.cpp says {without_build_paths(reply[1].strip())!r}")
         return reply
 
     def _fail(self, why: str) -> None:
@@ -147,7 +149,8 @@ class DecoderProcess:
             self.failure = None
 
     def recover_when_back(self, interval: float = 1.0) -> None:
-        """In a thread (one at a time): wait until every endpoint answers the handshake, then recover()."""
+        """In a thread (one at a time): wait until every endpoint answers the handshake, then recover(), with
+        `round_trip` measured by that handshake."""
         with self._lock:
             if self.recovering or self.failure is None:
                 return
@@ -157,7 +160,8 @@ class DecoderProcess:
             try:
                 while not self.closed:
                     try:
-                        check(self.endpoints, timeout=min(5.0, self.timeout))
+                        round_trips = check(self.endpoints, timeout=min(5.0, self.timeout))
+                        self.round_trip = max(round_trips.values())  # before recover() lets requests in
                         self.recover()
                         return
                     except GGUFSpecError:  # not back yet (or failed again while loading): try again

@@ -13,6 +13,7 @@ the abort check read it to stop llama.cpp, and the KeyboardInterrupt is raised o
 from __future__ import annotations
 
 import ctypes
+import re
 import signal
 import sys
 import threading
@@ -25,6 +26,19 @@ _state = threading.local()
 _verbose = False
 _callback = None
 _held_interrupt = False  # Ctrl-C pressed inside interruptible(), not raised yet
+
+
+# A path to one of llama.cpp's source files, as its asserts and aborts print __FILE__: the folder it was
+# compiled in (a pip build's temp folder, a user's home) means nothing to whoever reads the message, and tells a
+# client about the server's machine.
+_SOURCE_PATH = re.compile(r"(?<![^\s'\"(])(?:[A-Za-z]:)?[^\s:'\"(]*[/\\]"  # a path, from a word's start
+                          r"([^/\\\s:'\"]+\.(?:c|cc|cpp|cu|h|hpp|m|metal))\b")  # to a source file's name
+
+
+def without_build_paths(text: str) -> str:
+    """llama.cpp's `text` with each source file's path cut to its name: `/tmp/pip-wheel-x/.../ggml-rpc.cpp:566: ...`
+    becomes `ggml-rpc.cpp:566: ...` (the file and line stay: they say where it failed)."""
+    return _SOURCE_PATH.sub(r"\1", text)
 
 
 def _sink() -> Callable[[str], None] | None:

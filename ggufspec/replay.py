@@ -63,10 +63,9 @@ def record(engine: SpeculativeEngine, prompts: Iterable[BenchPrompt], max_tokens
         raise ValueError("replay needs a draft model")
     traces = []
     for p in prompts:
-        text = [{"role": "user", "content": p.text}] if p.chat else p.text
-        prompt = engine.encode(text)
+        prompt = engine.encode(p.prompt)
         engine.reset()
-        out = engine.generate(text, GenerationSettings(method="vanilla", max_tokens=max_tokens, draft_max=3))
+        out = engine.generate(p.prompt, GenerationSettings(method="vanilla", max_tokens=max_tokens, draft_max=3))
         tokens = prompt + out.tokens
         engine.reset()
         logits = engine.draft.feed(tokens, all_logits=True, view=True)[:, : engine.target.n_vocab]

@@ -20,7 +20,7 @@ from functools import cache
 
 import llama_cpp
 
-from .errors import RPCError
+from .errors import EndpointError, RPCError
 from .ggml_api import DEV_CPU, DEV_GPU, DEV_IGPU, ggml, proc
 from .ggml_api import devices as ggml_devices
 
@@ -49,26 +49,27 @@ class Endpoint:
 
 
 def parse_endpoints(text: str | list[str] | tuple[str, ...]) -> tuple[Endpoint, ...]:
-    """"host:port,host:port" (or a list of such strings), as llama-server's --rpc; RPCError names the bad one."""
+    """"host:port,host:port" (or a list of such strings), as llama-server's --rpc; EndpointError (a usage error)
+    names the bad one."""
     parts = [p.strip() for item in ([text] if isinstance(text, str) else text) for p in item.split(",")]
     if not any(parts):
-        raise RPCError("--rpc needs at least one HOST:PORT.")
+        raise EndpointError("--rpc needs at least one HOST:PORT.")
     out: list[Endpoint] = []
     for part in parts:
         host, sep, port = part.rpartition(":")
         if not part or not sep or not host:
-            raise RPCError(f"RPC endpoint {part!r} is not HOST:PORT (e.g. 127.0.0.1:{DEFAULT_PORT}).")
+            raise EndpointError(f"RPC endpoint {part!r} is not HOST:PORT (e.g. 127.0.0.1:{DEFAULT_PORT}).")
         if host.startswith("[") or ":" in host:
-            raise RPCError(f"RPC endpoint {part!r}: llama.cpp's RPC client speaks IPv4 only; give an IPv4 address "
-                           "or a host name.")
+            raise EndpointError(f"RPC endpoint {part!r}: llama.cpp's RPC client speaks IPv4 only; give an IPv4 "
+                                "address or a host name.")
         if not port.isdigit() or not 1 <= int(port) <= 65535:
-            raise RPCError(f"RPC endpoint {part!r}: the port must be a number from 1 to 65535.")
+            raise EndpointError(f"RPC endpoint {part!r}: the port must be a number from 1 to 65535.")
         ep = Endpoint(host, int(port))
         if ep in out:
-            raise RPCError(f"RPC endpoint {part} is given twice.")
+            raise EndpointError(f"RPC endpoint {part} is given twice.")
         out.append(ep)
     if len(out) > 16:  # GGML_RPC_MAX_SERVERS
-        raise RPCError(f"at most 16 RPC servers, got {len(out)}.")
+        raise EndpointError(f"at most 16 RPC servers, got {len(out)}.")
     return tuple(out)
 
 
@@ -93,20 +94,46 @@ def hello(ep: Endpoint, timeout: float = 5.0) -> float:
             reply = _recv(sock, 8 + 4 + _CAPS)
             rtt = time.perf_counter() - start
         except socket.timeout:
+            reply = _line_end_answer(sock, min(timeout, 1.0))
+            if reply:
+                raise _not_rpc(ep, reply) from None
             raise RPCError(f"RPC endpoint {ep}: no answer to the RPC handshake within {timeout:g} s (not an RPC "
                            "server, or one busy with another client: an rpc-server serves one at a time).") from None
         except OSError as e:
             raise RPCError(f"RPC endpoint {ep}: the connection failed during the handshake ({e.strerror or e}).") from None
     size = struct.unpack("<Q", reply[:8])[0] if len(reply) >= 8 else None
     if size != 4 + _CAPS:
-        shown = reply[:24].decode("latin-1").splitlines()[0] if reply else "nothing"
-        raise RPCError(f"RPC endpoint {ep} is not a llama.cpp RPC server (it answered the handshake with "
-                       f"{shown!r}).")
+        raise _not_rpc(ep, reply)
     major, minor, patch = reply[8], reply[9], reply[10]
     if major != PROTO_MAJOR or minor > PROTO_MINOR:
         raise RPCError(f"RPC endpoint {ep} speaks RPC protocol {major}.{minor}.{patch}; this llama.cpp speaks "
                        f"{PROTO_MAJOR}.{PROTO_MINOR}: run the same ggufspec and llama-cpp-python on both machines.")
     return rtt
+
+
+def _line_end_answer(sock: socket.socket, timeout: float) -> bytes:
+    """What a server silent after HELLO answers to a blank line, within `timeout`: b"" when nothing. A line-based
+    server (HTTP, SMTP, Redis...) waits for a line end, which HELLO's bytes lack; a blank line gets an answer out
+    of it. An rpc-server busy with another client has not read HELLO yet, and this connection closes before it
+    does."""
+    try:
+        sock.settimeout(timeout)
+        sock.sendall(b"\r\n\r\n")
+        return sock.recv(256)
+    except OSError:  # socket.timeout included
+        return b""
+
+
+def _not_rpc(ep: Endpoint, reply: bytes) -> RPCError:
+    """The error for a server at `ep` that answered the handshake with `reply`, not as an RPC server does."""
+    if not reply:
+        return RPCError(f"RPC endpoint {ep} is not a llama.cpp RPC server (it closed the connection at the "
+                        "handshake).")
+    shown = reply[:24].decode("latin-1").splitlines()[0]
+    head = reply.lstrip().lower()
+    what = ": an HTTP server" if head.startswith((b"http/", b"<!doctype html", b"<html")) else ""  # HTTP/0.9: a page
+    return RPCError(f"RPC endpoint {ep} is not a llama.cpp RPC server (it answered the handshake with {shown!r}"
+                    f"{what}).")
 
 
 def _recv(sock: socket.socket, n: int) -> bytes:
@@ -173,7 +200,8 @@ def serve(ep: Endpoint, threads: int, cache_dir: str | None = None) -> None:
     try:
         ipaddress.IPv4Address(ep.host)
     except ValueError:
-        raise RPCError(f"rpc-server listens on an IPv4 address (llama.cpp's), not {ep.host!r}: e.g. 127.0.0.1.") from None
+        raise EndpointError(f"rpc-server listens on an IPv4 address (llama.cpp's), not {ep.host!r}: e.g. "
+                            "127.0.0.1.") from None
     with socket.socket() as probe:  # llama.cpp only prints "Failed to create server socket"
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:

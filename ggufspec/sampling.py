@@ -7,14 +7,30 @@ on the tempered distribution, renormalised.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
+from .errors import GGUFSpecError
+
+# Temperatures below this are greedy (the limit T -> 0), in sampling and verification alike: every consumer asks
+# `SamplingParams.greedy`. Why 1e-30: below it the tempered distribution already is the argmax's one-hot in float32
+# (exp(-gap/T) underflows once a logit gap exceeds 104 T = 1e-28, less than the spacing of float32 numbers over
+# 1e-20), and above it logits * (1/T) stays finite for |logits| up to 3e8, a wide margin over real models' logits.
+# Without it, logits * (1/T) overflowed float32 from T = 3e-38 (logits of 10) and every probability was NaN.
+GREEDY_BELOW = 1e-30
+
+
+class DistributionError(GGUFSpecError):
+    """A row of probabilities could not be made: its logits were not finite numbers (NaN or infinite). The model's
+    fault (a damaged file, a broken backend), never a request's."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy (argmax); top_k 0, top_p 1 and min_p 0 turn a filter off."""
+    """temperature 0 (or any below GREEDY_BELOW) means greedy (argmax); top_k 0, top_p 1 and min_p 0 turn a filter
+    off. A temperature must be finite: infinity would make every token equally likely."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -22,8 +38,8 @@ class SamplingParams:
     min_p: float = 0.0
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
@@ -33,7 +49,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Argmax decoding: temperature 0, or one so small that only the argmax keeps any probability."""
+        return self.temperature < GREEDY_BELOW
 
 
 def suppress(logits: np.ndarray, tokens: np.ndarray | None) -> np.ndarray:
@@ -54,8 +71,18 @@ def softmax(logits: np.ndarray, scale: float = 1.0) -> np.ndarray:
     (docs/engine-overhead.md). The sums stay float64 (float32 sums drift enough to bias chi-square tests).
     """
     z = _weights(logits, scale)
-    z /= z.sum(axis=-1, keepdims=True, dtype=np.float64)
+    sums = z.sum(axis=-1, keepdims=True, dtype=np.float64)
+    _check_mass(sums)
+    z /= sums
     return z
+
+
+def _check_mass(mass: np.ndarray | float) -> None:
+    """DistributionError unless every row's mass (its weights' sum) is a finite number > 0: a NaN or infinite
+    logit makes it NaN, and a row of NaN would pick a junk token silently."""
+    if not np.all(np.isfinite(mass) & (np.asarray(mass) > 0)):
+        raise DistributionError("the model's logits are not finite numbers (NaN or infinite), so no token can be "
+                                "chosen: the model file may be damaged, or its backend computed garbage)")
 
 
 def _weights(logits: np.ndarray, scale: float) -> np.ndarray:
@@ -107,7 +134,8 @@ SAMPLE_BLOCK = 256
 
 
 def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
-    """One token id drawn from a 1-D distribution (weights >= 0, not all 0; need not sum to 1), by inverse CDF.
+    """One token id drawn from a 1-D distribution (weights >= 0, not all 0; need not sum to 1), by inverse CDF;
+    DistributionError when the weights hold a NaN or an infinity.
 
     Two levels, blocks of SAMPLE_BLOCK tokens then a token in the block: numpy's cumsum runs serially, and over a
     whole 49k vocabulary it took 0.16 ms a draw here (a draw per committed token, and per judged row when sampling).
@@ -118,6 +146,7 @@ def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
     if n_full < len(probs):
         sums = np.append(sums, probs[n_full:].sum())
     cdf = np.cumsum(sums, dtype=np.float64)
+    _check_mass(cdf[-1])
     r = rng.random() * cdf[-1]
     i = int(np.searchsorted(cdf, r, side="right"))
     if i >= len(sums):  # rounding put r at the very end: the last block of weight > 0

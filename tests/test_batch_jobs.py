@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -103,6 +104,12 @@ def test_a_rerun_keeps_the_done_lines_and_generates_only_the_rest(smollm2_path, 
     assert r.exit_code == 0, r.output
     assert "2 of 5 prompts already done" in r.stderr and "unfinished last line dropped" in r.stderr
     assert "wrote 3 lines" in r.stderr
+    # the time generating, and the whole run's, which adds loading the model (minutes on a busy machine)
+    spans = re.search(r"in (.+) generating, (.+) in all \(with loading the models\)", r.stderr)
+    assert spans, r.stderr
+    generating, in_all = (sum(float(n) * (60 if unit == "min" else 1)
+                              for n, unit in re.findall(r"([\d.]+) (min|s)", span)) for span in spans.groups())
+    assert 0 < generating <= in_all
     final = lines(out)
     assert sorted(d["index"] for d in final) == [0, 1, 2, 3, 4]  # each prompt once
     by_index = {d["index"]: d for d in final}
@@ -115,6 +122,12 @@ def test_a_rerun_keeps_the_done_lines_and_generates_only_the_rest(smollm2_path, 
     before = out.read_bytes()
     again = batch(smollm2_path, src, out, "-np", "2", "-n", "6")
     assert again.exit_code == 0 and "all 5 prompts are done" in again.stderr and out.read_bytes() == before
+
+
+def test_durations_read_as_a_person_reads_them() -> None:
+    from ggufspec.batch_jobs import duration
+
+    assert [duration(s) for s in (19.94, 137.2, 3600 + 5 * 60 + 2)] == ["19.9 s", "2 min 17 s", "1 h 05 min"]
 
 
 def test_a_prompt_that_fails_gets_an_error_line_and_the_others_go_on(smollm2_path, tmp_path) -> None:
@@ -184,6 +197,18 @@ def test_bad_input_is_one_clear_error(smollm2_path, tmp_path, content, args, mes
     assert message in r.output and "Traceback" not in r.output
     assert isinstance(r.exception, SystemExit)  # handled: no exception escaped
     assert not out.exists()
+
+
+def test_a_broken_json_line_stops_the_run_before_any_model_loads(tmp_path) -> None:
+    # a line that starts with `{` is a JSON object or a mistake: sent as text it would be a silently wrong prompt
+    src, out = tmp_path / "prompts.txt", tmp_path / "out.jsonl"
+    src.write_text('Say yes.\n{"prompt": "unterminated\n{x} is a set: say why.\n', encoding="utf-8")
+    r = batch(tmp_path / "no-such-model.gguf", src, out)  # the prompts are read first: the model is never opened
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"{src}:2: not a JSON object (Unterminated string" in errors[0], r.stderr
+    assert 'write it as {"prompt": "..."}' in errors[0]  # how to send a text prompt that starts with `{`
+    assert "no-such-model" not in r.output and not out.exists()
 
 
 def test_an_output_file_that_is_not_these_results_is_left_alone(smollm2_path, tmp_path) -> None:

@@ -66,9 +66,49 @@ def test_bench_bad_prompt_file(tiny_target, tmp_path) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text("{not json\n")
     r = CliRunner().invoke(main, ["bench", "-m", str(tiny_target), "-p", str(bad)])
-    assert r.exit_code == 2 and "not JSON" in r.output
+    assert r.exit_code == 2 and "bad.jsonl:1: not a JSON object" in r.output
     r = CliRunner().invoke(main, ["bench", "-m", str(tiny_target), "-p", str(tmp_path / "missing.txt")])
     assert r.exit_code == 2 and "no such prompt file" in r.output
+
+
+def test_bench_without_prompts_runs_its_built_in_set(tiny_target, tiny_draft, tmp_path) -> None:
+    out = tmp_path / "bench.json"
+    r = CliRunner().invoke(main, ["bench", "-m", str(tiny_target), "-d", str(tiny_draft), "--method", "autoregressive",
+                                  "--method", "vanilla", "-n", "4", "--repeats", "1", "--warmup", "0", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "prompts: the built-in set, 8 of them" in r.stderr
+    data = json.loads(out.read_text())
+    assert Path(data["meta"]["prompts"]).name == "bench.jsonl"
+    assert len(data["runs"]) == 8 * 2 and all(run["tokens"] for run in data["runs"])
+    assert {s["category"] for s in data["summary"]} == {"coding", "math", "writing", "summarization", "extraction",
+                                                        "translation", "all"}
+    shapes = {type(p.prompt) for p in bench_mod.load_prompts()}  # a completion and chat prompts, as in Spec-Bench
+    assert shapes == {str, list}
+    assert "built-in set" in CliRunner().invoke(main, ["bench", "--help"]).output
+
+
+def test_bench_reads_every_shape_generate_batch_reads(tiny_target, tmp_path) -> None:
+    from ggufspec.engine import GenerationSettings, SpeculativeEngine
+    from ggufspec.decoder import DecoderOptions
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi."}]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join([json.dumps({"custom_id": "chat-1", "messages": messages}),
+                                  "Once upon a time",  # a text line: a completion
+                                  json.dumps({"id": 7, "category": "ids", "prompt": [1, 2, 3]})]) + "\n")
+    out = tmp_path / "bench.json"
+    r = CliRunner().invoke(main, ["bench", "-m", str(tiny_target), "-p", str(prompts), "--method", "autoregressive",
+                                  "-n", "6", "--repeats", "1", "--warmup", "0", "--fresh-context", "-c", "512",
+                                  "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    runs = {run["prompt"]: run for run in json.loads(out.read_text())["runs"]}
+    assert sorted(runs) == ["2", "7", "chat-1"]  # ids as --batch names them: the id fields, else the line number
+    assert runs["7"]["category"] == "ids" and runs["chat-1"]["category"] == "p"
+    settings = GenerationSettings(method="autoregressive", max_tokens=6)
+    with SpeculativeEngine.load(tiny_target, None, DecoderOptions(n_ctx=512)) as engine:
+        for pid, prompt in (("chat-1", messages), ("2", "Once upon a time"), ("7", [1, 2, 3])):
+            engine.reset()
+            assert runs[pid]["tokens"] == engine.generate(prompt, settings).tokens, pid
 
 
 def test_per_category_keeps_the_first_prompts_of_each_category(tmp_path) -> None:
@@ -200,22 +240,20 @@ def test_plots_show_values_error_bars_and_the_models(default_bench, tiny_target,
 
 # --- the demo pair when no -m is given ----------------------------------------------------------------------------
 
-def test_bench_runs_the_offline_demo_pair_without_a_model(tmp_path, smollm2_path) -> None:
+def test_bench_with_no_model_nor_prompts_runs_the_demo_pair_on_its_built_in_set(tmp_path, smollm2_path) -> None:
     env = dict(os.environ)
     env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_CACHE=str(tmp_path / "hf" / "hub"), HF_HUB_OFFLINE="1",
                GGUFSPEC_CACHE=str(tmp_path / "gg"), GGUFSPEC_THREADS="1")
     env.pop("HF_TOKEN", None)
     (tmp_path / "gg" / "models").mkdir(parents=True)
     (tmp_path / "gg" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf").symlink_to(smollm2_path)
-    prompts = tmp_path / "p.txt"
-    prompts.write_text("def fibonacci(n):\n")
     out = tmp_path / "bench.json"
-    r = subprocess.run([sys.executable, "-m", "ggufspec.cli", "bench", "-p", str(prompts), "--repeats", "1",
-                        "--warmup", "0", "-n", "4", "-c", "256", "-o", str(out)],
+    r = subprocess.run([sys.executable, "-m", "ggufspec.cli", "bench", "--limit", "1", "--repeats", "1",
+                        "--warmup", "0", "-n", "4", "-c", "256", "-o", str(out)],  # nor -p: the built-in prompts
                        env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     data = json.loads(out.read_text())
-    assert data["meta"]["preset"] == "demo"
+    assert data["meta"]["preset"] == "demo" and Path(data["meta"]["prompts"]).name == "bench.jsonl"
     assert Path(data["meta"]["target"]).name == "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert Path(data["meta"]["draft"]).name == "smollm2-135m-draft.Q8_0.gguf"  # the draft shipped in models/demo
     assert data["config"]["methods"] == ["autoregressive", "vanilla", "auto"]

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 from click.testing import CliRunner
 
 from ggufspec.cli import main
@@ -27,6 +28,32 @@ def test_generate_json_matches_the_api(smollm2_path) -> None:
     assert out["tokens"] == ref.tokens and out["text"] == ref.text
     assert "Paris" in out["text"]
     assert out["stats"]["generated_tokens"] == len(out["tokens"]) and out["stats"]["target_passes"] >= 1
+
+
+def test_a_temperature_too_small_for_float32_gives_the_greedy_text(smollm2_path, tiny_draft) -> None:
+    """1/T overflowed float32 and every probability was NaN: junk tokens, exit 0. Such a T is greedy, for the target's
+    p and the draft's q alike (vanilla with a random draft: most drafts are rejected)."""
+    def text(temp: str) -> str:
+        r = subprocess.run([sys.executable, "-m", "ggufspec.cli", "generate", "-m", str(smollm2_path), "-d",
+                            str(tiny_draft), "--method", "vanilla", "-c", "256", "-n", "8", "--seed", "1", "--temp",
+                            temp, "--json", "hi"], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and "Warning" not in r.stderr, r.stderr
+        return json.loads(r.stdout)["text"]
+
+    greedy = text("0")
+    assert {t: text(t) for t in ("1e-38", "1e-45", "5e-324")} == dict.fromkeys(("1e-38", "1e-45", "5e-324"), greedy)
+
+
+def test_a_model_whose_logits_are_nan_is_one_clear_error_not_junk(tokenizer_fields, tiny_weights, tmp_path) -> None:
+    # a probability row of NaN drew a junk token silently; now no row may hold one
+    weights = dict(tiny_weights)
+    weights["output.weight"] = weights["output.weight"].copy()
+    weights["output.weight"][7] = np.nan  # token 7's logit is NaN at every position
+    model = write_tiny_gguf(tmp_path / "nan.gguf", tokenizer_fields, weights, TINY)
+    r = subprocess.run([sys.executable, "-m", "ggufspec.cli", "generate", "-m", str(model), "-n", "4", "--temp",
+                        "0.7", "--raw", "Hello"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("error: the model's logits are not finite"), r.stderr
 
 
 def test_generate_ignore_eos_runs_to_n_tokens(smollm2_path) -> None:

@@ -27,3 +27,4 @@ def test_the_wheel_holds_every_module_of_the_package(tmp_path) -> None:
     modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / "ggufspec").rglob("*.py")}
     assert modules and not modules - names, f"missing from the wheel: {sorted(modules - names)}"
     assert "ggufspec/models/registry.json" in names
+    assert "ggufspec/prompts/bench.jsonl" in names  # bench's built-in prompt set (package data)

@@ -11,8 +11,8 @@ from ggufspec.decoder import DecoderOptions
 from ggufspec.engine import GenerationSettings, SpeculativeEngine
 from ggufspec.replay import record, replay
 
-PROMPTS = [BenchPrompt("a", "chat", "Write a loop that counts to ten.", True),
-           BenchPrompt("b", "code", "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n", False)]
+PROMPTS = [BenchPrompt("a", "chat", [{"role": "user", "content": "Write a loop that counts to ten."}]),
+           BenchPrompt("b", "code", "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n")]
 N = 24
 
 
@@ -24,8 +24,7 @@ def test_replayed_methods_match_real_runs(tiny_target, tiny_draft) -> None:
             passes = tokens = 0
             for p in PROMPTS:
                 engine.reset()
-                text = [{"role": "user", "content": p.text}] if p.chat else p.text
-                r = engine.generate(text, GenerationSettings(method=method, max_tokens=N, draft_max=3))
+                r = engine.generate(p.prompt, GenerationSettings(method=method, max_tokens=N, draft_max=3))
                 passes, tokens = passes + r.stats.target_passes, tokens + len(r.tokens)
             real[method] = (passes, tokens)
     assert [len(t.tokens) - t.prompt_len for t in traces] == [N, N]

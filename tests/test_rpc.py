@@ -8,6 +8,7 @@ from __future__ import annotations
 import http.server
 import json
 import os
+import re
 import signal
 import socket
 import struct
@@ -76,6 +77,52 @@ def rpc_servers(n: int):
     finally:
         for s in servers:
             s.kill()
+
+
+class SlowHandshakeRelay:
+    """A TCP relay on loopback to an RPC server's port that holds each connection's first answer (the handshake's)
+    `delay` seconds: a longer link as the round trip ggufspec measures sees it, without slowing the weights' upload.
+    A connection the server refuses is closed."""
+
+    def __init__(self, port: int) -> None:
+        self.port, self.delay = port, 0.0
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:  # closed
+                return
+            try:
+                server = socket.create_connection(("127.0.0.1", self.port), timeout=5)
+            except OSError:
+                client.close()
+                continue
+            server.settimeout(None)
+            threading.Thread(target=self._pipe, args=(client, server, 0.0), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, self.delay), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket, first_delay: float) -> None:
+        try:
+            while chunk := src.recv(1 << 16):
+                time.sleep(first_delay)
+                first_delay = 0.0
+                dst.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.listener.close()
 
 
 @pytest.fixture(scope="module")
@@ -154,8 +201,10 @@ def test_a_closed_port_an_http_server_and_a_silent_listener_are_told_apart() -> 
     web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=web.serve_forever, daemon=True).start()
     try:
-        with pytest.raises(RPCError, match="no answer to the RPC handshake within 1 s .not an RPC server"):
-            rpc.hello(rpc.Endpoint("127.0.0.1", web.server_address[1]), timeout=1)  # it waits for a line end
+        # it waits for a line end, which HELLO lacks: it was reported as "no answer to the RPC handshake"
+        with pytest.raises(RPCError, match="not a llama.cpp RPC server .it answered the handshake with "
+                                           "'<!DOCTYPE HTML>': an HTTP server"):  # an HTTP/0.9 error page
+            rpc.hello(rpc.Endpoint("127.0.0.1", web.server_address[1]), timeout=1)
     finally:
         web.shutdown()
 
@@ -192,6 +241,18 @@ def test_a_server_of_another_protocol_version_is_named() -> None:
             rpc.hello(rpc.Endpoint("127.0.0.1", old.getsockname()[1]))
 
 
+def test_llama_cpp_messages_lose_the_folder_it_was_built_in() -> None:
+    from ggufspec.llama_log import without_build_paths
+
+    built = ("/tmp/pip-wheel-j9r8v6gl/llama-cpp-python_34e2bf30/vendor/llama.cpp/ggml/src/ggml-rpc/ggml-rpc.cpp:566: "
+             "Remote RPC server crashed or returned malformed response")
+    assert without_build_paths(built) == "ggml-rpc.cpp:566: Remote RPC server crashed or returned malformed response"
+    assert without_build_paths(r"C:\src\llama.cpp\ggml\src\ggml.c:12: GGML_ASSERT(x) failed") == \
+        "ggml.c:12: GGML_ASSERT(x) failed"
+    kept = "cannot open /models/m.gguf: ggml.c:3 (see ggml-rpc.cpp)"
+    assert without_build_paths(kept) == kept  # a model's path, and source names without a folder, stay
+
+
 def test_a_build_without_rpc_gets_one_line_naming_the_build_flags(monkeypatch, smollm2_path) -> None:
     from click.testing import CliRunner
 
@@ -207,11 +268,13 @@ def test_a_build_without_rpc_gets_one_line_naming_the_build_flags(monkeypatch, s
 
 @needs_rpc
 def test_the_cli_refuses_bad_endpoints_in_one_line_before_loading(smollm2_path) -> None:
+    # an endpoint written wrong is a usage error (exit 2, as README says; it was 1); a closed port is a failure (1)
     closed = free_port()
-    for endpoint, says in (("127.0.0.1", "not HOST:PORT"), (f"127.0.0.1:{closed}", "connection refused")):
+    for endpoint, says, code in (("127.0.0.1", "not HOST:PORT", 2), ("127.0.0.1:http", "from 1 to 65535", 2),
+                                 (f"127.0.0.1:{closed}", "connection refused", 1)):
         r = subprocess.run([*CLI, "generate", "-m", str(smollm2_path), "--rpc", endpoint, "-n", "4", PROMPT],
                            capture_output=True, text=True, timeout=120)
-        assert r.returncode != 0 and r.stdout == ""
+        assert r.returncode == code and r.stdout == "", (endpoint, r.returncode, r.stderr)
         assert r.stderr.startswith("error: ") and says in r.stderr and "Traceback" not in r.stderr, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
@@ -226,7 +289,7 @@ def test_rpc_server_refuses_a_busy_port_and_a_host_name() -> None:
     assert r.returncode != 0 and "error: cannot listen at" in r.stderr and "Traceback" not in r.stderr, r.stderr
     r = subprocess.run([*CLI, "rpc-server", "--host", "localhost", "--port", str(free_port())], capture_output=True,
                        text=True, timeout=60)
-    assert r.returncode != 0 and "IPv4 address" in r.stderr and "WARNING" in r.stderr, r.stderr
+    assert r.returncode == 2 and "IPv4 address" in r.stderr and "WARNING" in r.stderr, r.stderr
 
 
 # --- the target on RPC servers -------------------------------------------------------------------------------------
@@ -293,7 +356,10 @@ def test_a_server_killed_mid_generation_ends_it_with_the_text_so_far(smollm2_pat
         r, seconds = _generate_until_killed(smollm2_path, a, signal.SIGKILL)
     assert r.returncode == 1, (r.returncode, r.stderr)
     assert len(r.stdout) >= 40  # what was generated stays printed
-    assert r.stderr.strip().splitlines()[-1].startswith("error: RPC server 127.0.0.1:"), r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: RPC server 127.0.0.1:"), r.stderr
+    # llama.cpp's own words, without the folder it was compiled in (`/tmp/pip-wheel-.../ggml-rpc.cpp:566: ...`)
+    assert "llama.cpp says 'ggml-rpc.cpp:" in last and not re.search(r"[/\\][^\s']*\.cpp", last), last
     assert "Traceback" not in r.stderr and "core dumped" not in r.stderr
     assert seconds < 30
 
@@ -329,5 +395,56 @@ def test_serve_answers_503_while_its_server_is_down_and_recovers_after_a_restart
         assert status == 200 and answer["choices"][0]["text"] == reference["autoregressive"]
     finally:
         log = server.stop()
+        a.kill()
+    assert "Traceback" not in log, log
+
+
+@needs_rpc
+def test_serve_tells_health_polls_without_the_key_no_more_than_a_reason(smollm2_path) -> None:
+    a = RPCServer()
+    server = Server("-m", str(smollm2_path), "--rpc", a.endpoint, "-c", "512", "--api-key", "k")
+    key = {"Authorization": "Bearer k"}
+    body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    try:
+        assert server.request("POST", "/v1/completions", body, headers=key)[0] == 200
+        a.kill()
+        status, _, answer = server.request("POST", "/v1/completions", body, headers=key)
+        assert status == 503 and answer["error"]["code"] == "rpc_server_unavailable", answer
+        assert not re.search(r"[/\\][^\s']*\.cpp", answer["error"]["message"]), answer  # no build folder
+        status, _, open_health = server.request("GET", "/health")
+        assert status == 503 and open_health["status"] == "error", open_health
+        assert a.endpoint not in open_health["error"] and "llama.cpp" not in open_health["error"], open_health
+        status, _, health = server.request("GET", "/health", headers=key)
+        assert status == 503 and a.endpoint in health["error"] and "reconnecting" in health["error"], health
+        assert not re.search(r"[/\\][^\s']*\.cpp", health["error"]), health
+    finally:
+        log = server.stop()
+        a.kill()
+    assert "Traceback" not in log, log
+
+
+@needs_rpc
+def test_serve_measures_the_round_trip_again_when_its_server_comes_back(smollm2_path) -> None:
+    # rpc_round_trip_ms was measured once, at load: after a restart (a new link) it stayed the same float
+    a = RPCServer()
+    relay = SlowHandshakeRelay(a.port)
+    server = Server("-m", str(smollm2_path), "--rpc", relay.endpoint, "-c", "512", "--rpc-timeout", "10")
+    body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    try:
+        status, _, answer = server.request("POST", "/v1/completions", body)
+        assert status == 200 and 0 < answer["timings"]["rpc_round_trip_ms"] < 250, answer
+        a.kill()
+        assert server.request("POST", "/v1/completions", body)[0] == 503
+        relay.delay = 0.3  # the server comes back over a slower link
+        a = RPCServer(a.port)
+        deadline = time.monotonic() + 120
+        while server.request("GET", "/health")[0] != 200:
+            assert time.monotonic() < deadline, "the server did not recover"
+            time.sleep(0.5)
+        status, _, answer = server.request("POST", "/v1/completions", body)
+        assert status == 200 and answer["timings"]["rpc_round_trip_ms"] >= 300, answer
+    finally:
+        log = server.stop()
+        relay.close()
         a.kill()
     assert "Traceback" not in log, log

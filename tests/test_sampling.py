@@ -7,7 +7,7 @@ import pytest
 from scipy.stats import chisquare
 
 from ggufspec.verifier import accept_greedy, accept_sampled
-from ggufspec.sampling import SamplingParams, probabilities, sample
+from ggufspec.sampling import DistributionError, SamplingParams, pick, probabilities, sample, softmax
 
 ALPHA = 0.001
 RUNS = 20_000
@@ -92,7 +92,7 @@ def test_transform_filters() -> None:
 
 
 @pytest.mark.parametrize("kw", [dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1),
-                                dict(min_p=1.5)])
+                                dict(min_p=1.5), dict(temperature=float("inf")), dict(temperature=float("nan"))])
 def test_invalid_sampling_values(kw) -> None:
     with pytest.raises(ValueError):
         SamplingParams(**kw)
@@ -112,3 +112,28 @@ def test_accept_sampled_point_mass_guesses_follow_p() -> None:
             second[out[1]] += 1
     _check(first, p[0])
     _check(second, p[1])
+
+
+@pytest.mark.parametrize("temperature", [1e-31, 1e-38, 1e-45, 5e-324])
+def test_a_temperature_too_small_for_float32_is_greedy(temperature) -> None:
+    """1/T overflowed float32 and every probability was NaN: such a T is the greedy limit, for target and draft."""
+    logits = np.array([[3.0, 20.5, -7.0, 20.0]], dtype=np.float32)
+    params = SamplingParams(temperature)
+    assert params.greedy
+    assert probabilities(logits, params)[0].tolist() == [0, 1, 0, 0]
+    assert pick(logits[0], SamplingParams(temperature, top_p=0.9), np.random.default_rng(0)) == 1
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # numpy's, on inf - inf: the error follows
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_row_of_probabilities_never_holds_a_nan(bad) -> None:
+    logits = np.array([[1.0, bad, 0.5], [1.0, 2.0, 3.0]], dtype=np.float32)
+    rng = np.random.default_rng(0)
+    with pytest.raises(DistributionError, match="not finite"):
+        probabilities(logits, SamplingParams(0.7))
+    with pytest.raises(DistributionError, match="not finite"):
+        softmax(logits)
+    with pytest.raises(DistributionError, match="not finite"):
+        pick(logits[0], SamplingParams(0.7), rng)
+    with pytest.raises(DistributionError, match="not finite"):
+        sample(np.array([0.5, np.nan, 0.5]), rng)

@@ -231,6 +231,16 @@ def test_slow_and_idle_connections_are_dropped_after_the_timeout(smollm2_path) -
         assert "Traceback" not in s.stop()
 
 
+def test_a_connection_that_never_sends_a_byte_is_closed_as_idle(server) -> None:
+    # README: idle connections close after 5 s; one that never sent a byte stayed for --timeout (60 s)
+    with connect(server.port, timeout=30) as sock:
+        t0 = time.monotonic()
+        assert sock.recv(4096) == b""  # a socket.timeout here: the server kept it open 30 s
+        closed = time.monotonic() - t0
+    assert closed < 20, closed
+    print(f"a silent connection closed after {closed:.1f} s")
+
+
 def test_300_idle_connections_under_a_256_descriptor_limit_do_not_starve_a_new_request(smollm2_path) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and hard < 400:
@@ -271,6 +281,51 @@ def test_a_non_streaming_client_that_disconnects_stops_its_generation_at_once(se
     # one target pass commits one token here (no draft): it stops within a few, not tens or all 900
     assert state["n_decoded"] - at_close <= 8, (at_close, state)
     print(f"non-streaming disconnect: {state['n_decoded'] - at_close} tokens after the client left")
+
+
+def _send_chat(port: int, content: str, max_tokens: int) -> socket.socket:
+    """A chat request sent on a raw connection whose answer is never read (the caller closes it: its client leaves)."""
+    sock = connect(port)
+    body = json.dumps({"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+                       "temperature": 0}).encode()
+    sock.sendall(head("/v1/chat/completions", port, f"Content-Length: {len(body)}\r\n") + body)
+    return sock
+
+
+def _wait_for(server: Server, ready, timeout: float = 60) -> dict:
+    """Slot 0's /slots entry once `ready(entry)` holds (AssertionError after `timeout` seconds)."""
+    deadline = time.monotonic() + timeout
+    while not ready(state := server.request("GET", "/slots")[2][0]):
+        assert time.monotonic() < deadline, state
+        time.sleep(0.01)
+    return state
+
+
+def test_a_queued_request_whose_client_left_gives_its_place_back_at_once(server) -> None:
+    # -np 1 --queue 2: one request holds the slot, two wait; when their clients give up, their places were kept (new
+    # requests got 429) and their 499s logged only once the slot was free
+    before = server.request("GET", "/slots")[2][0]
+    holder = _send_chat(server.port, "Write a very long story about a dragon.", 900)
+    try:
+        _wait_for(server, lambda s: s["n_decoded"] > 2)
+        waiting = [_send_chat(server.port, "Hi", 2) for _ in range(2)]
+        _wait_for(server, lambda s: s["n_queued"] == 2)
+        assert server.request("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 1})[0] == 429
+        since = len(server.log())
+        for sock in waiting:
+            sock.close()
+        state = _wait_for(server, lambda s: s["n_queued"] == 0, timeout=10)
+        assert state["is_processing"] and state["n_cancelled"] == before["n_cancelled"] + 2, state
+        for _ in range(2):
+            since += server.wait_for_log(r"POST /v1/chat/completions 499: [^\n]*the client left", since).end()
+        late = _send_chat(server.port, "Hi", 2)  # admitted: it waits in the queue again, not a 429
+        _wait_for(server, lambda s: s["n_queued"] == 1 and s["is_processing"], timeout=10)
+        late.close()
+        _wait_for(server, lambda s: s["n_queued"] == 0, timeout=10)
+    finally:
+        holder.close()
+    state = _wait_for(server, lambda s: not s["is_processing"])
+    assert state["n_cancelled"] == before["n_cancelled"] + 4 and state["n_completed"] == before["n_completed"], state
 
 
 def test_slots_count_every_completion(server) -> None:

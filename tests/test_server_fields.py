@@ -81,6 +81,32 @@ def test_seed_minus_one_through_the_openai_client_differs_between_requests(clien
     assert len(same) == 1
 
 
+# --- temperatures: the greedy limit, and numbers that are not finite ------------------------------------------------
+
+@pytest.mark.parametrize("endpoint", ["chat", "text"])
+def test_a_temperature_too_small_for_float32_gives_the_greedy_text(server, endpoint) -> None:
+    # 1/T overflowed float32: every probability was NaN and the answer junk, with a 200
+    path, body = request(endpoint, max_tokens=8, seed=1, speculative={"method": "lookup"})
+    code, _, greedy = post(server, path, {**body, "temperature": 0})
+    assert code == 200, greedy
+    for temperature in (1e-38, 1e-45, 5e-324):
+        code, _, out = post(server, path, {**body, "temperature": temperature})
+        assert code == 200 and out["choices"] == greedy["choices"], (temperature, out)
+
+
+@pytest.mark.parametrize("fields,param", [
+    ('"temperature": Infinity', "temperature"), ('"temperature": NaN', "temperature"), ('"top_p": -Infinity', "top_p"),
+    ('"temperature": 1e999', "temperature"), ('"speculative": {"draft_p_min": NaN}', "speculative.draft_p_min"),
+    ('"logit_bias": {"42": NaN}', "logit_bias.42"), ('"stop": ["x"], "weights": [1.5, -1e400]', "weights.1"),
+], ids=["inf", "nan", "-inf", "overflow", "nested", "refused-field", "unknown-field"])
+def test_a_number_that_is_not_finite_is_a_400_naming_its_field(server, fields, param) -> None:
+    # Python's JSON parser takes NaN and Infinity; "temperature": Infinity drew random tokens with a 200
+    body = '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, %s}' % fields
+    code, _, out = server.request("POST", "/v1/chat/completions", body)
+    assert code == 400 and out["error"]["param"] == param, out
+    assert out["error"]["message"].startswith(f"{param}: ") and "not a finite number" in out["error"]["message"], out
+
+
 # --- fields that would change the output are refused, by name --------------------------------------------------------
 
 CHANGING = [
@@ -151,6 +177,14 @@ def test_harmless_values_and_unknown_fields_are_accepted_and_change_nothing(serv
     code, _, out = post(server, path, {**body, "stream": True, **HARMLESS, "samplers": "dtkypmx"})
     assert code == 200 and streamed_text(out) == (plain["choices"][0].get("text")
                                                   or plain["choices"][0]["message"]["content"]), out
+
+
+@pytest.mark.parametrize("bias", [{"42": 0}, {"42": 0.0, "7": -0.0}, [[42, 0]], {}, None])
+def test_a_logit_bias_that_biases_nothing_is_accepted(server, bias) -> None:
+    path, body = request("chat", max_tokens=5, temperature=0)
+    plain = post(server, path, body)[2]
+    code, _, out = post(server, path, {**body, "logit_bias": bias})
+    assert code == 200 and out["choices"] == plain["choices"], out
 
 
 def test_the_refusal_table_covers_llama_servers_and_openais_fields() -> None:

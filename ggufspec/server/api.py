@@ -95,6 +95,20 @@ def _at_least(bound: float) -> Harmless:
     return lambda v, fields: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v >= bound)
 
 
+def _no_bias(v: Any, fields: dict[str, Any]) -> bool:
+    """logit_bias that biases nothing: off (null, empty, false), or every bias 0, in OpenAI's shape {"token": bias}
+    or llama-server's [[token, bias], ...] (where a bias `false` bans the token: not 0)."""
+    if _OFF(v, fields):
+        return True
+    if isinstance(v, dict):
+        biases = list(v.values())
+    elif isinstance(v, list) and all(isinstance(pair, list) and len(pair) == 2 for pair in v):
+        biases = [pair[1] for pair in v]
+    else:
+        return False
+    return all(isinstance(b, (int, float)) and not isinstance(b, bool) and b == 0 for b in biases)
+
+
 def _unused_unless(*governing: str) -> Harmless:
     """A parameter of a sampler that the `governing` fields turn on: harmless while they leave it off."""
     return lambda v, fields: all(REFUSED[g][0](fields.get(g), fields) for g in governing)
@@ -135,7 +149,7 @@ REFUSED: dict[str, tuple[Harmless, str]] = {
     "best_of": (_default(1), "one choice per request"),
     "presence_penalty": (_default(0), NOT_PENALTIES),
     "frequency_penalty": (_default(0), NOT_PENALTIES),
-    "logit_bias": (_OFF, "logit biases are not implemented"),
+    "logit_bias": (_no_bias, "logit biases are not implemented"),
     "logprobs": (_OFF, "log-probabilities are not implemented"),
     "top_logprobs": (_OFF, "log-probabilities are not implemented"),
     "tools": (_OFF, "tool calls are not implemented"),

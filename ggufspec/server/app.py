@@ -20,7 +20,7 @@ from starlette.types import Receive
 
 from ..engine import GenerationResponse, GenerationSettings, Prompt
 from ..errors import Cancelled, ContextLengthError, GGUFSpecError, RPCError
-from ..sampling import SamplingParams
+from ..sampling import DistributionError, SamplingParams
 from .api import (CHAT, FINISH_REASONS, TEXT, APIError, ChatRequest, CommonRequest, CompletionRequest, Shape,
                   Speculative, refused_field, timings, usage)
 from .boundary import Boundary, Limits, note_of, read_json, server_error
@@ -54,21 +54,27 @@ def create_app(worker: Worker, settings: GenerationSettings, model_id: str, limi
         return await _api_error(request, APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
                                                   code=code))
 
-    def authorized(request: Request) -> None:
-        """With --api-key, /v1, /slots and /openapi.json want `Authorization: Bearer KEY` (the scheme in any case,
-        RFC 9110); /health stays open, as in llama-server."""
+    def has_key(request: Request) -> bool:
+        """No --api-key, or the request sends `Authorization: Bearer KEY` (the scheme in any case, RFC 9110)."""
         if not api_key:
-            return
+            return True
         scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
+        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), api_key.encode())
+
+    def authorized(request: Request) -> None:
+        """With --api-key, /v1, /slots and /openapi.json want the key; /health stays open, as in llama-server."""
+        if not has_key(request):
             raise APIError(401, "invalid or missing API key: send Authorization: Bearer KEY", code="invalid_api_key")
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorized)])
 
     @app.get("/health")
-    async def health() -> JSONResponse:
+    async def health(request: Request) -> JSONResponse:
         failure = worker.remote_failure()
         if failure is not None:
+            # the details (the servers' addresses, llama.cpp's words) are for clients with the key: /health is open
+            if not has_key(request):
+                failure = "the model's RPC servers are unavailable; reconnecting as soon as they answer again"
             return JSONResponse({"status": "error", "error": failure}, status_code=503)
         stalled = worker.stalled_for()
         if stalled > STALL_SECONDS:
@@ -150,7 +156,7 @@ def create_app(worker: Worker, settings: GenerationSettings, model_id: str, limi
     async def respond(request: Request, shape: Shape, body: CommonRequest, prompt: Prompt, param: str):
         note = note_of(request.scope)
         job = worker.submit(prompt, request_settings(body))
-        watch = asyncio.create_task(_cancel_on_disconnect(request.receive, job))
+        watch = asyncio.create_task(_cancel_on_disconnect(request.receive, job, worker))
         streaming = False
         try:
             first = await job.events.get()  # the prompt rendered, tokenized and found to fit, or why not
@@ -218,11 +224,13 @@ def parse(data: Any, model: type[BaseModel]) -> Any:
         raise APIError(400, f"{param}: {err['msg']}" if param else err["msg"], param=param) from None
 
 
-async def _cancel_on_disconnect(receive: Receive, job: Job) -> None:
-    """Cancel `job` the moment its client disconnects (the body is read: the next message is the disconnect)."""
+async def _cancel_on_disconnect(receive: Receive, job: Job, worker: Worker) -> None:
+    """Cancel `job` the moment its client disconnects (the body is read: the next message is the disconnect); a
+    job still queued leaves the queue then, so its place is free and its 499 logged at once."""
     while (await receive())["type"] != "http.disconnect":
         pass
     job.cancelled.set()
+    worker.abandon(job)
 
 
 async def collect(job: Job, param: str) -> GenerationResponse | None:
@@ -248,7 +256,7 @@ def as_api_error(e: Exception, param: str | None = None) -> APIError:
     if isinstance(e, RPCError):  # not the request's fault: the server's RPC servers failed (/health says so)
         return APIError(503, str(e), code="rpc_server_unavailable", kind="server_error",
                         headers={"Retry-After": "5"})
-    if isinstance(e, GGUFSpecError):
+    if isinstance(e, GGUFSpecError) and not isinstance(e, DistributionError):  # that one is the model's fault
         return APIError(400, str(e), param=param)
     return server_error(e)
 

@@ -7,10 +7,12 @@
   this server does not grant; and a request from another `Origin` is refused unless `--cors-origin` allows it.
 - **Sizes.** A body larger than `--max-body` is refused with 413 from its `Content-Length`, before it is read, or as
   soon as a chunked body grows past it; JSON nested deeper than Python's parser goes, or holding unpaired UTF-16
-  surrogates, is a 400.
-- **Connections.** A request's head and body must arrive within `--timeout` seconds of its first byte, and a
-  response that the client stops reading is dropped after as long; at most `max_connections` stay open (sized
-  under the process's file-descriptor limit), the oldest one that is not being answered closed to make room.
+  surrogates or a number that is not finite (NaN, Infinity: Python's parser takes them), is a 400.
+- **Connections.** A connection that sends nothing is idle, whether new or after a response: it is closed after
+  uvicorn's keep-alive bound (5 s; `--timeout` if shorter). A request's head and body must arrive within
+  `--timeout` seconds of its first byte, and a response that the client stops reading is dropped after as long; at
+  most `max_connections` stay open (sized under the process's file-descriptor limit), the oldest one that is not
+  being answered closed to make room.
 - **Errors.** Anything a handler did not expect is answered as a 500 with a request id, logged once with that id.
 - **The request log.** One line per request on the server's log, as llama-server's: method, path, status, the
   tokens of the prompt and of the answer with the speed, the time taken, and for an error its code (and a 500's
@@ -23,6 +25,7 @@ import functools
 import ipaddress
 import json
 import logging
+import math
 import os
 import re
 import socket
@@ -244,7 +247,7 @@ def too_large(limit: int) -> APIError:
 
 async def read_json(request: Request, limit: int) -> Any:
     """The request's JSON body, read up to `limit` bytes (413 past it), parsed (400 if it is not JSON, nests too
-    deep, or holds an unpaired surrogate)."""
+    deep, or holds an unpaired surrogate or a number that is not finite, naming its field)."""
     chunks, size = [], 0
     try:
         async for chunk in request.stream():
@@ -257,12 +260,16 @@ async def read_json(request: Request, limit: int) -> Any:
     raw = b"".join(chunks)
     if not raw.strip():
         raise APIError(400, "the request needs a JSON body")
+    non_finite: list[float] = []
     try:
-        data = json.loads(raw)
+        data = json.loads(raw, parse_float=functools.partial(_float, non_finite),
+                          parse_constant=functools.partial(_float, non_finite))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON ({e})") from None
     except RecursionError:
         raise APIError(400, "the request body is nested too deeply") from None
+    if non_finite:
+        raise _non_finite_error(data)
     if _SURROGATE_ESCAPE.search(raw):  # a pair decodes to one character; an unpaired half stays and fails later
         try:
             json.dumps(data, ensure_ascii=False).encode("utf-8")
@@ -272,13 +279,38 @@ async def read_json(request: Request, limit: int) -> Any:
     return data
 
 
+def _float(seen: list[float], text: str) -> float:
+    """json.loads's hook for a number with a fraction or exponent, and for NaN, Infinity and -Infinity (which
+    Python's parser accepts, and JSON has not): the float, noted in `seen` when it is not finite (1e999 too)."""
+    value = float(text)
+    if not math.isfinite(value):
+        seen.append(value)
+    return value
+
+
+def _non_finite_error(data: Any) -> APIError:
+    """The 400 for a body holding a non-finite number, naming the first one's field as `parse` does (`a.0.b`)."""
+    stack: list[tuple[tuple[Any, ...], Any]] = [((), data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            param = ".".join(map(str, path)) or None
+            return APIError(400, f"{param or 'the request body'}: {json.dumps(value)} is not a finite number (JSON "
+                                 "has no NaN or Infinity; a number too large for a float becomes Infinity)",
+                            param=param)
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        stack.extend((path + (k,), v) for k, v in reversed(list(items)))
+    return APIError(400, "the request body holds a number that is not finite")
+
+
 # --- connections -------------------------------------------------------------------------------------------
 
 class BoundedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with deadlines and a cap on open connections (see the module's docstring).
 
     uvicorn closes idle keep-alive connections after a response; this adds what it lacks against slow or idle
-    clients: a deadline for each request's head and body, one for a stalled write, and the cap."""
+    clients: the same idle bound for a new connection until its first byte, a deadline for each request's head and
+    body from its first byte, one for a stalled write, and the cap."""
 
     def __init__(self, *args: Any, limits: Limits, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -289,14 +321,17 @@ class BoundedH11Protocol(H11Protocol):
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._arm_read()
+        # idle until its first byte, as after a response: uvicorn's keep-alive timer, which data_received cancels
+        # (the request's --timeout starts there); a client that never sends a byte held the connection 60 s
+        self.timeout_keep_alive_task = self.loop.call_later(min(self.timeout_keep_alive, self.limits.timeout),
+                                                            self.timeout_keep_alive_handler)
         open_ = [c for c in self.connections if isinstance(c, BoundedH11Protocol) and not c.transport.is_closing()]
         if len(open_) > self.limits.max_connections:
             self._make_room(open_)
 
     def data_received(self, data: bytes) -> None:
         if self._read_deadline is None and self.conn.their_state in (h11.IDLE, h11.SEND_BODY):
-            self._arm_read()  # the first byte of a request that follows a keep-alive response
+            self._arm_read()  # the first byte of a request: the connection's first, or one after a response
         super().data_received(data)
         if self.conn.their_state not in (h11.IDLE, h11.SEND_BODY):
             self._disarm_read()

@@ -6,8 +6,8 @@ Everything a request costs runs here, so the queue bounds it and /slots shows it
 bounds of `SpeculativeEngine.encode` (before it takes a slot: a slow template holds no slot), then takes the slot
 whose cache shares the longest prefix with it and generates, its decodes batched with the other slots' (continuous
 batching, see pool.py and lockstep.py). A job whose client leaves stops at its next token, freeing its slot (or its
-rendering stops within 50 ms); a job the server's shutdown cuts ends with a last response, so its stream gets a
-final chunk.
+rendering stops within 50 ms), or while queued leaves the queue at once, freeing its place; a job the server's
+shutdown cuts ends with a last response, so its stream gets a final chunk.
 
 One code path: `--parallel 1` is a pool of one slot, and a bare SpeculativeEngine is wrapped as one.
 """
@@ -114,19 +114,41 @@ class Worker:
             self.active -= 1
             self.jobs.discard(job)
 
+    def abandon(self, job: Job) -> bool:
+        """Its client left (on the event loop): a job still queued leaves the queue at once, its place given back
+        and its handler told (None); True then. False when a thread has it already: that thread stops it (at its
+        next token, or its rendering within 50 ms) once it sees `job.cancelled`."""
+        with self._lock:
+            if job.phase != "queued" or job.finished:
+                return False
+            job.finished, job.phase = True, "done"
+            self.n_cancelled += 1
+        self._done(job)
+        job.events.put_nowait(None)
+        return True
+
     # --- one job, in a worker thread ------------------------------------------------------------------------------
 
-    def _run(self, job: Job) -> None:
-        if job.cancelled.is_set():  # its client left, or the server stops, while it waited
-            self._finish(job, cancelled=True)
-            job.put(APIError(503, "the server is shutting down", code="server_shutting_down", kind="server_error")
-                    if job.cut else None)
-            job.put(None)
-            return
-        job.phase = "prompt"
-        self._progress(job)
+    def _claim(self, job: Job) -> bool:
+        """Take a queued job for this thread: True when it is to run. A job that left the queue (`abandon`) is
+        dropped; one cancelled while it waited (the server stops) is ended here, a shutdown's with a 503."""
         with self._lock:
-            self._running.append(job)
+            if job.finished:
+                return False
+            if not job.cancelled.is_set():
+                job.phase = "prompt"
+                self._running.append(job)
+                return True
+        self._finish(job, cancelled=True)
+        job.put(APIError(503, "the server is shutting down", code="server_shutting_down", kind="server_error")
+                if job.cut else None)
+        job.put(None)
+        return False
+
+    def _run(self, job: Job) -> None:
+        if not self._claim(job):
+            return
+        self._progress(job)
         started = answered = False  # answered: its last response or its error is on its way
         result: GenerationResult | None = None
         try:
