@@ -28,7 +28,7 @@ from .lockstep import Lockstep, Price, Submission, even_lanes
 from .machine_cache import notice
 from .memory import check_memory
 from .model import LlamaModel
-from .recurrent import MemoryKind, Rewind, memory_kind, snapshots_for
+from .recurrent import Rewind, Rollbacks, memory_kind, snapshots_for
 
 
 class Decoder(Protocol):
@@ -63,11 +63,12 @@ class Decoder(Protocol):
         """Keep the first n history tokens and drop the KV entries of the rest (on recurrent memory, tokens its
         snapshots or checkpoints cannot undo are decoded again, by this call or the next feed: see hold)."""
 
-    def hold(self, undo: int | None = None) -> None:
+    def hold(self, undo: int | None = None, anchor: bool = False) -> None:
         """Make a later rollback_to the history as it is now cheap (recurrent memory: a checkpoint of the state where
         its snapshots will not reach; nothing for attention). `undo`: the next feed will be rolled back by at most
         that many of its tokens (a verification chain's drafts); None: any number, over any feeds (a draft model's
-        single tokens)."""
+        single tokens). `anchor`: the point stays until a rollback goes below it, rather than until the next hold
+        (a prompt's end, which a chat's next turn goes back to)."""
 
     def hidden_states(self) -> np.ndarray:
         """Final-norm hidden states (n, H) of the rows the last feed returned logits for (none after a prefill of
@@ -405,6 +406,16 @@ class LlamaCppDecoder:
         return view
 
     @property
+    def llama_context(self):
+        """The llama.cpp context (a llama_context pointer), for llama.cpp's own API: its use bypasses the history."""
+        return self._require_ctx()
+
+    @property
+    def rollbacks(self) -> Rollbacks | None:
+        """How this decoder's rollbacks went on recurrent memory (counts, only growing); None on attention memory."""
+        return self._rewind.counts if self._rewind is not None else None
+
+    @property
     def lane(self) -> int:
         """This decoder's sequence id in its context (a slot's: its index in `lanes`)."""
         return self._seq
@@ -611,9 +622,8 @@ class LlamaCppDecoder:
             del self.history[n:]
 
     def hold(self, undo: int | None = None, anchor: bool = False) -> None:
-        """See Decoder.hold. `anchor`: the checkpoint stays until a rollback goes below it, rather than until the next
-        hold (a prompt's end, which a chat's next turn goes back to). A checkpoint holds what the memory holds:
-        deferred tokens stay deferred, and a rollback to it decodes them again."""
+        """See Decoder.hold. A checkpoint holds what the memory holds: deferred tokens stay deferred, and a rollback to
+        it decodes them again."""
         if self._rewind is None or self._unrecorded:  # the state after an unrecorded decode is no point to go back to
             return
         self._require_ctx()

@@ -13,8 +13,11 @@ from gguf import GGMLQuantizationType
 
 from . import cpu_backend, rpc
 from .decoder import DecoderOptions, LlamaCppDecoder, gpu_offload
+from .engine import GenerationSettings, SpeculativeEngine, with_snapshots
 from .isolated import open_target
 from .machine_cache import costs_path, cpu_info
+from .memory import recurrent_state_bytes
+from .recurrent import rollback_in_use
 
 
 def _version(dist: str) -> str:
@@ -58,12 +61,15 @@ def model_lines(role: str, path: str | Path, options: DecoderOptions) -> list[st
     with (open_target(path, options)[0] if options.remote else LlamaCppDecoder(path, options)) as d:
         buffers = ", ".join(f"{name} {mib:.1f} MiB" for name, mib in d.weight_buffers.items()) or "unknown"
         types = sorted({t.type for t in d.header.tensors})
+        state = recurrent_state_bytes(d.header)
         return [
             f"{role}: {d.path} ({d.path.stat().st_size / 1e6:.1f} MB; tensor types "
             f"{', '.join(GGMLQuantizationType(t).name for t in types)})",
             f"  weights: {buffers}",
             f"  KV cache: {d.kv_cache}, {d.n_ctx} tokens; micro-batch {d.n_ubatch}; threads "
             f"{options.n_threads or 'all'}; GPU layers {options.n_gpu_layers}",
+            f"  memory: {rollback_in_use(d.memory, d.n_rs_seq, options.n_rs_seq)}"
+            + (f"; recurrent state {state / 2**20:.2f} MiB a sequence" if state else ""),
         ]
 
 
@@ -75,7 +81,10 @@ def report(target: str | None, draft: str | None, options: DecoderOptions) -> st
     for role, path in (("target", target), ("draft", draft)):
         if path is not None:
             on_rpc = role == "target" or options.rpc_draft
-            lines += model_lines(role, path, options if on_rpc else replace(options, rpc=()))
+            # as generation loads them: the target with snapshots for --draft-max's chains, the draft without
+            loaded = (with_snapshots(options, GenerationSettings()) if role == "target"
+                      else SpeculativeEngine.draft_options(options))
+            lines += model_lines(role, path, loaded if on_rpc else replace(loaded, rpc=()))
     if target is None:
         lines.append("(give -m MODEL.gguf [-d DRAFT.gguf] to see where their weights go)")
     return "\n".join(lines)

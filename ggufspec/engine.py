@@ -19,7 +19,8 @@ from .decoder import DecoderOptions, LlamaCppDecoder
 from .errors import ContextLengthError, GGUFSpecError, ModelFileError
 from .gguf_check import read_header
 from .isolated import open_target
-from .memory import check_memory
+from .machine_cache import notice
+from .memory import check_memory, snapshots_that_fit
 from .medusa.candidates import special_ids
 from .medusa.heads import ARCH as MEDUSA_ARCH, Heads, heads_memory, medusa_decoder_options
 from .loop import generate_steps
@@ -170,6 +171,11 @@ class SpeculativeEngine:
         if options.memory_check and not options.offloads and local:
             extra = heads_memory(medusa_path, headers[0], medusa_vocab) if medusa_path is not None else []
             kv = options.resolved()  # this machine's default V cache type, chosen before the check sizes the cache
+            fit = snapshots_that_fit(local, options.n_ctx, kv.cache_type, kv.cache_type_v, extra, options.n_rs_seq,
+                                     sequences)
+            if fit < options.n_rs_seq:  # longer chains then go back from a checkpoint
+                notice(f"keeping {fit} recurrent-state snapshots instead of {options.n_rs_seq}: more do not fit the RAM")
+                options = replace(options, n_rs_seq=fit)
             check_memory(local, options.n_ctx, kv.cache_type, kv.cache_type_v, extra, options.n_rs_seq, sequences)
         return options
 
@@ -282,7 +288,7 @@ class SpeculativeEngine:
 
     def _run(self, prompt: Prompt, s: GenerationSettings) -> Iterator[GenerationResponse]:
         method = self.method_for(s)
-        sources = method.sources(self.draft is not None, self.medusa is not None)
+        sources = self._sources(method)
         draft = self.draft if "draft" in sources else None  # other methods leave its context as it is
         n_ctx = None if s.truncate_prompt else self._n_ctx(draft)
         try:
@@ -321,6 +327,18 @@ class SpeculativeEngine:
                 self.last_result = GenerationResult(text.text, out, "interrupted", meter.finish(len(out)))
             if self.answers is not None:
                 self.answers.add(out)
+
+    def _sources(self, method: Method) -> tuple[str, ...]:
+        """The proposers `method` drafts from here: not Medusa's trees on recurrent memory (their tokens would sit in
+        several sequences at once), which `auto` then leaves out and `medusa` cannot run without."""
+        sources = method.sources(self.draft is not None, self.medusa is not None)
+        if "medusa" in sources and self.target.memory.recurrent:
+            if method.name == "medusa":
+                raise GGUFSpecError(f"Medusa heads propose token trees, which {self.target.path.name}'s "
+                                    f"{self.target.memory.value} memory cannot hold: use --method auto, vanilla or "
+                                    "lookup.")
+            sources = tuple(p for p in sources if p != "medusa")
+        return sources
 
     def _n_ctx(self, draft: LlamaCppDecoder | None) -> int:
         return min(self.target.n_ctx, draft.n_ctx) if draft is not None else self.target.n_ctx

@@ -91,6 +91,20 @@ def available_bytes() -> int | None:
         return None
 
 
+def snapshots_that_fit(models: list[tuple[Path, GGUFHeader]], n_ctx: int, kv_type: str, kv_type_v: str | None,
+                       extra: Sequence[tuple[str, int]], n_rs_seq: int, sequences: int) -> int:
+    """The most recurrent-state snapshots, up to n_rs_seq, with which `models` fit the available RAM (check_memory's
+    sum); n_rs_seq where the RAM is unknown or nothing would fit anyway (check_memory then says so)."""
+    have = available_bytes()
+    if have is None:
+        return n_rs_seq
+    fixed = sum(n for _, n in extra)
+    for n in range(n_rs_seq, -1, -1):
+        if fixed + sum(needed_bytes(h, n_ctx, kv_type, kv_type_v, n, sequences) for _, h in models) <= have:
+            return n
+    return n_rs_seq
+
+
 def check_memory(models: list[tuple[Path, GGUFHeader]], n_ctx: int, kv_type: str = "f16", kv_type_v: str | None = None,
                  extra: Sequence[tuple[str, int]] = (), n_rs_seq: int = 0, sequences: int = 1) -> None:
     """Refuse, with the numbers, when weights plus KV (and recurrent states: `sequences` of them, with n_rs_seq

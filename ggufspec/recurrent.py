@@ -58,10 +58,34 @@ def memory_kind(model) -> MemoryKind:
     return MemoryKind.SWA if llama_cpp.llama_model_n_swa(model) > 0 else MemoryKind.ATTENTION
 
 
+def rollback_in_use(kind: MemoryKind, n_rs_seq: int, asked: int) -> str:
+    """How a model's rollbacks are done, as `doctor` says it: its memory kind, the snapshots it got (`n_rs_seq` of
+    the `asked`), the checkpoints beyond them."""
+    if not kind.recurrent:
+        return f"{kind.value}: rollbacks remove KV cells, free"
+    if n_rs_seq:
+        return (f"{kind.value}: rollbacks of up to {n_rs_seq} tokens of a batch by snapshots (n_rs_seq), longer ones "
+                "and single-token decodes from a checkpoint of the recurrent state")
+    why = (" (llama.cpp keeps no snapshots for this architecture)" if asked else
+           " (a draft model's single-token guesses: snapshots cannot undo them)")
+    return f"{kind.value}: rollbacks from a checkpoint of the recurrent state{why}"
+
+
 def snapshots_for(n_rs_seq: int, n_ubatch: int) -> int:
     """The n_rs_seq a context can be given: llama.cpp keeps a sequence's last n_rs_seq + 1 tokens in one micro-batch,
     and aborts where that does not leave a token to spare (llama_batch_allocr::split_equal)."""
     return max(0, min(n_rs_seq, n_ubatch - 2))
+
+
+@dataclass
+class Rollbacks:
+    """How one sequence's rollbacks went: by snapshot, from a checkpoint (and checkpoints saved), or by decoding the
+    sequence again from its start (no checkpoint below the target)."""
+
+    snapshots: int = 0
+    saves: int = 0
+    restores: int = 0
+    replays: int = 0
 
 
 @dataclass
@@ -88,8 +112,8 @@ class Rewind:
         self._reach = 0  # tokens the snapshots of the last decode may undo (0 after a rollback: single use)
         self.anchor: Checkpoint | None = None
         self.step: Checkpoint | None = None
-        self.seconds = 0.0  # spent saving and restoring checkpoints (a decoder counts it as its decode time)
-        self.saves = self.restores = self.replays = 0
+        self.seconds = 0.0  # spent saving and restoring checkpoints (the decoder's hold_seconds take it)
+        self.counts = Rollbacks()
 
     def decoded(self, n: int) -> None:
         """The sequence's last decode had n tokens."""
@@ -135,6 +159,7 @@ class Rewind:
             if not llama_cpp.llama_memory_seq_rm(self.mem, self.seq, n, -1):  # cannot happen: the rules allow it
                 raise RuntimeError(f"llama.cpp refused a rollback of {r} tokens within n_rs_seq={self.n_rs_seq}")
             self._reach = 0
+            self.counts.snapshots += 1
             return n
         self._reach = 0
         best = max((cp for cp in (self.step, self.anchor) if cp is not None), key=lambda cp: cp.length, default=None)
@@ -142,7 +167,7 @@ class Rewind:
             self._restore(best)
             return best.length
         llama_cpp.llama_memory_seq_rm(self.mem, self.seq, -1, -1)  # a whole sequence always goes
-        self.replays += n > 0
+        self.counts.replays += n > 0
         return 0
 
     def forget(self) -> None:
@@ -158,7 +183,7 @@ class Rewind:
         if written != size:
             raise RuntimeError(f"llama.cpp wrote {written} of {size} bytes of a recurrent state")
         self.seconds += time.perf_counter() - t0
-        self.saves += 1
+        self.counts.saves += 1
         return Checkpoint(length, data, size)
 
     def _restore(self, cp: Checkpoint) -> None:
@@ -168,7 +193,7 @@ class Rewind:
         # the attention layers' cells past the checkpoint (a hybrid's); its recurrent cell is at length - 1 now
         llama_cpp.llama_memory_seq_rm(self.mem, self.seq, cp.length, -1)
         self.seconds += time.perf_counter() - t0
-        self.restores += 1
+        self.counts.restores += 1
 
     def _drop(self, cp: Checkpoint) -> None:
         if cp is self.step:

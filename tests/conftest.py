@@ -11,7 +11,8 @@ import pytest
 from ggufspec import cpu_backend
 from ggufspec.costs import CostModel
 from ggufspec.decoder import DecoderOptions, LlamaCppDecoder
-from tiny_models import TinyConfig, noisy_copy, random_weights, read_tokenizer, write_tiny_gguf
+from tiny_models import (HybridConfig, TinyConfig, hybrid_weights, noisy_copy, random_weights, read_tokenizer,
+                         write_hybrid_gguf, write_tiny_gguf)
 
 # One llama.cpp thread per context: tiny models gain nothing from two, and a second thread
 # waiting at llama.cpp's barriers makes tests crawl whenever another process holds a core.
@@ -91,6 +92,25 @@ def tiny_target(tiny_dir, tokenizer_fields, tiny_weights) -> Path:
 def tiny_draft(tiny_dir, tokenizer_fields, tiny_weights) -> Path:
     """The target's weights plus noise: agrees with the target often, not always."""
     return write_tiny_gguf(tiny_dir / "tiny-draft.gguf", tokenizer_fields, noisy_copy(tiny_weights), TINY, "tiny-draft")
+
+
+@pytest.fixture(scope="session")
+def hybrid(tmp_path_factory, tokenizer_fields):
+    """hybrid(arch) -> (target, draft): a tiny random model of that architecture (lfm2, qwen35, mamba2: HybridConfig)
+    and its noisy copy, written once per session."""
+    made: dict[str, tuple[Path, Path]] = {}
+    folder = tmp_path_factory.mktemp("hybrid")
+
+    def get(arch: str) -> tuple[Path, Path]:
+        if arch not in made:
+            cfg = HybridConfig(arch)
+            weights = hybrid_weights(cfg, 49152, seed=0)
+            made[arch] = (write_hybrid_gguf(folder / f"tiny-{arch}.gguf", tokenizer_fields, weights, cfg, arch),
+                          write_hybrid_gguf(folder / f"tiny-{arch}-draft.gguf", tokenizer_fields, noisy_copy(weights),
+                                            cfg, f"{arch}-draft"))
+        return made[arch]
+
+    return get
 
 
 def open_decoder(path: Path, **kw) -> LlamaCppDecoder:

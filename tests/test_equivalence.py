@@ -157,12 +157,18 @@ def test_greedy_auto_draft_trees(tiny_target, tiny_draft, monkeypatch) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method,prompt", [("vanilla", "Once upon a time"), ("lookup", "7 8 9 7 8 9 7 8 9 7")])
-def test_sampling_end_to_end_follows_the_target(tiny_target, tiny_draft, method, prompt) -> None:
+@pytest.mark.parametrize("method,prompt,arch", [("vanilla", "Once upon a time", None),
+                                               ("lookup", "7 8 9 7 8 9 7 8 9 7", None),
+                                               ("vanilla", "Once upon a time", "qwen35")])
+def test_sampling_end_to_end_follows_the_target(tiny_target, tiny_draft, hybrid, method, prompt, arch) -> None:
     """First two tokens sampled with speculation follow the target's own (top-k, tempered) distribution.
 
-    Lookup drafts are deterministic (q one-hot): acceptance is then p(x), the residual p without x.
+    Lookup drafts are deterministic (q one-hot): acceptance is then p(x), the residual p without x. On a hybrid pair
+    (arch) the second token comes after the first step's rollbacks: the target's by snapshot, the draft's from a
+    checkpoint.
     """
+    if arch is not None:
+        tiny_target, tiny_draft = hybrid(arch)
     params = SamplingParams(temperature=1.5, top_k=6)
     with open_decoder(tiny_target) as d:
         toks = d.vocab.tokenize(prompt)

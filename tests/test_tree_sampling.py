@@ -148,7 +148,7 @@ class MemoDecoder:
         self.history += list(tokens)
         return self.sync(self.history)
 
-    def hold(self, undo=None):  # rollbacks replay memoised rows: nothing to keep
+    def hold(self, undo=None, anchor=False):  # rollbacks replay memoised rows: nothing to keep
         pass
 
     def tree_logits(self, tokens, parents):

@@ -56,11 +56,11 @@ def random_weights(cfg: TinyConfig, n_vocab: int, seed: int) -> dict[str, np.nda
     return t
 
 
-def noisy_copy(weights: dict[str, np.ndarray], seed: int = 1) -> dict[str, np.ndarray]:
-    """The weights plus noise (10% of each matrix's spread; norms kept): a draft that agrees with them often, not
-    always."""
+def noisy_copy(weights: dict[str, np.ndarray], seed: int = 1, scale: float = 0.1) -> dict[str, np.ndarray]:
+    """The weights plus noise (`scale` of each matrix's spread; vectors kept): a draft that agrees with them often,
+    not always."""
     rng = np.random.default_rng(seed)
-    return {k: (v + rng.normal(0, 0.1 * v.std() if v.ndim > 1 else 0, v.shape)).astype(np.float32)
+    return {k: (v + rng.normal(0, scale * v.std() if v.ndim > 1 else 0, v.shape)).astype(np.float32)
             for k, v in weights.items()}
 
 
@@ -101,8 +101,9 @@ def write_tiny_gguf(
 
 @dataclass(frozen=True)
 class HybridConfig:
-    """A tiny hybrid (lfm2: short convolutions; qwen35: gated delta nets) or recurrent (mamba2) model: layers 0, 2, ...
-    recurrent, 1, 3, ... attention (mamba2: all recurrent). Head size 32, so llama.cpp's default q8_0 cache fits."""
+    """A tiny hybrid (lfm2: short convolutions; qwen35: gated delta nets) or recurrent (mamba2) model: every
+    `interval`-th layer attention, the others recurrent (mamba2: all recurrent). Head size 32, so llama.cpp's default
+    q8_0 cache fits."""
 
     arch: str
     n_embd: int = 64
@@ -114,10 +115,11 @@ class HybridConfig:
     d_conv: int = 4  # qwen35, mamba2 (lfm2: its l_cache is 3)
     n_group: int = 2  # qwen35's key heads, mamba2's groups
     dt_rank: int = 4  # qwen35's value heads, mamba2's heads
+    interval: int = 2
 
     @property
     def recurrent_layers(self) -> list[bool]:
-        return [True] * self.n_layer if self.arch == "mamba2" else [i % 2 == 0 for i in range(self.n_layer)]
+        return [self.arch == "mamba2" or (i + 1) % self.interval != 0 for i in range(self.n_layer)]
 
 
 def hybrid_weights(cfg: HybridConfig, n_vocab: int, seed: int) -> dict[str, np.ndarray]:
@@ -191,7 +193,7 @@ def write_hybrid_gguf(path: Path, tokenizer: list[gguf.ReaderField], weights: di
             w.add_feed_forward_length(cfg.n_ff)
             w.add_head_count(cfg.n_head)
             w.add_head_count_kv(cfg.n_head_kv)
-            w.add_uint32("qwen35.full_attention_interval", 2)
+            w.add_uint32("qwen35.full_attention_interval", cfg.interval)
             w.add_array("qwen35.rope.dimension_sections", [hd // 8] * 4)
             ssm["inner_size"] = cfg.d_state * cfg.dt_rank
         else:
