@@ -158,10 +158,20 @@ def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
     return i * SAMPLE_BLOCK + j
 
 
+def argmax(logits: np.ndarray) -> int:
+    """The greedy pick of one row of logits; DistributionError where that logit is not a finite number (numpy's argmax
+    picks the first NaN: a broken model would print junk)."""
+    best = int(logits.argmax())
+    if not np.isfinite(logits[best]):
+        raise DistributionError(f"the model's logits are not finite numbers (the top one is {logits[best]}): a damaged "
+                                "model file or a broken backend")
+    return best
+
+
 def pick(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
     """The next token from one row of logits: argmax when greedy, else a draw from the transform."""
     if params.greedy:
-        return int(logits.argmax())
+        return argmax(logits)
     if params.top_k or params.top_p < 1.0 or params.min_p > 0.0:
         return sample(probabilities(logits, params), rng)
     return sample(_weights(logits, 1.0 / params.temperature), rng)  # no filter: `sample` needs no normalising

@@ -16,7 +16,7 @@ import numpy as np
 
 from .decoder import Decoder, prefill
 from .proposers import Draft
-from .sampling import SamplingParams, pick, probabilities, sample, suppress
+from .sampling import SamplingParams, argmax, pick, probabilities, sample, suppress
 from .trees import Tree, residual, walk
 
 TYPICAL_THRESHOLD = 0.09  # Medusa's posterior_threshold (epsilon)
@@ -49,7 +49,7 @@ def accept_greedy(target_logits: np.ndarray, drafts: list[int]) -> list[int]:
     n = 0
     while n < len(drafts) and drafts[n] == best[n]:
         n += 1
-    return drafts[:n] + [int(best[n])]
+    return drafts[:n] + [argmax(target_logits[n])]  # (checks the row the pick comes from: a NaN one is an error)
 
 
 def accept_sampled(p: Sequence[np.ndarray], q: np.ndarray | None, drafts: list[int],

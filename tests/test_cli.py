@@ -10,6 +10,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 from click.testing import CliRunner
 
 from ggufspec.cli import main
@@ -44,14 +45,16 @@ def test_a_temperature_too_small_for_float32_gives_the_greedy_text(smollm2_path,
     assert {t: text(t) for t in ("1e-38", "1e-45", "5e-324")} == dict.fromkeys(("1e-38", "1e-45", "5e-324"), greedy)
 
 
-def test_a_model_whose_logits_are_nan_is_one_clear_error_not_junk(tokenizer_fields, tiny_weights, tmp_path) -> None:
-    # a probability row of NaN drew a junk token silently; now no row may hold one
+@pytest.mark.parametrize("temp", ["0.7", "0"])
+def test_a_model_whose_logits_are_nan_is_one_clear_error_not_junk(tokenizer_fields, tiny_weights, tmp_path,
+                                                                  temp) -> None:
+    # a probability row of NaN drew a junk token silently, and greedy took numpy's argmax, the first NaN
     weights = dict(tiny_weights)
     weights["output.weight"] = weights["output.weight"].copy()
     weights["output.weight"][7] = np.nan  # token 7's logit is NaN at every position
     model = write_tiny_gguf(tmp_path / "nan.gguf", tokenizer_fields, weights, TINY)
     r = subprocess.run([sys.executable, "-m", "ggufspec.cli", "generate", "-m", str(model), "-n", "4", "--temp",
-                        "0.7", "--raw", "Hello"], capture_output=True, text=True, timeout=120)
+                        temp, "--raw", "Hello"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("error: the model's logits are not finite"), r.stderr
 
