@@ -434,6 +434,10 @@ def generate(prompt, prompt_option, prompt_file, chat, raw, system, truncate_pro
     prompt = _prompt_text(prompt, prompt_option, prompt_file)
     if raw and (chat or system is not None):
         raise click.UsageError(raw_conflict)
+    if as_json:  # for a program to read: no spinner on stderr either, unless GGUFSPEC_PROGRESS=1 asks
+        from .waiting import hide
+
+        hide()
     engine, _ = load_engine(params, truncate_prompt=truncate_prompt, context_shift=context_shift)
     try:
         templated = not raw and (chat or system is not None or engine.has_chat_template)

@@ -561,7 +561,7 @@ def _tries(target: LlamaCppDecoder, draft: Decoder | None, k_max: int, long_size
     with waiting("measuring batch costs for auto") as wait:
         for i in range(tries):
             if tries > 1:
-                wait.label = f"measuring batch costs for auto (try {i + 1} of at most {tries})"
+                wait.label = f"measuring batch costs for auto, try {i + 1} of at most {tries}"
             model, spread = measure(target, draft, k_max, long_sizes=long_sizes)
             best = (model, spread) if best is None else (fastest(best[0], model), min(best[1], spread))
             if spread <= MAX_SPREAD:

@@ -2,10 +2,10 @@
 long prompt is decoded, so that a run is never silent for long before its first token.
 
 Contract: nothing is written for a wait shorter than SHOW_AFTER seconds, nor where stderr is not a terminal (pipes,
-`--json` runs read by scripts, tests that parse stderr), nor off the main thread (a server's request threads log
-lines instead); GGUFSPEC_PROGRESS=0 turns the spinner off, =1 shows it on any stream (on request). A shown spinner
-is erased when the wait ends, so the text that follows starts on a clean line. One spinner at a time: a wait inside
-another shows nothing of its own.
+files, tests that parse stderr), nor off the main thread (a server's request threads log lines instead), nor after
+hide() (`generate --json`); GGUFSPEC_PROGRESS=0 turns the spinner off, =1 shows it on any stream (on request). A
+shown spinner is erased when the wait ends, so the text that follows starts on a clean line. One spinner at a time:
+a wait inside another shows nothing of its own.
 """
 
 from __future__ import annotations
@@ -24,15 +24,23 @@ FRAMES = "|/-\\"
 TICK = 0.2  # seconds between frames
 
 _showing = threading.Lock()  # held by the spinner on screen: one at a time
+_hidden = False  # hide(): none in this process unless asked
+
+
+def hide() -> None:
+    """No spinner in this process from now on, unless GGUFSPEC_PROGRESS=1 asks for it (`generate --json`: what it
+    prints is for a program to read)."""
+    global _hidden
+    _hidden = True
 
 
 def wanted(stream: TextIO) -> bool:
-    """Whether a wait may show a spinner on `stream`: GGUFSPEC_PROGRESS says so ("1" yes, "0" no), else only on the
-    main thread and where `stream` is a terminal."""
+    """Whether a wait may show a spinner on `stream`: GGUFSPEC_PROGRESS says so ("1" yes, "0" no), else only where
+    hide() was not called, on the main thread, and where `stream` is a terminal."""
     forced = os.environ.get(PROGRESS_ENV, "")
     if forced in ("0", "1"):
         return forced == "1"
-    if threading.current_thread() is not threading.main_thread():
+    if _hidden or threading.current_thread() is not threading.main_thread():
         return False
     try:
         return stream.isatty()

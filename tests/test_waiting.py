@@ -88,3 +88,13 @@ def test_show_false_draws_nothing() -> None:
     with wait_for("loading", show=False, stream=term, after=0) as wait:
         assert wait._thread is None
     assert term.getvalue() == ""
+
+
+def test_hidden_for_the_rest_of_the_process_unless_asked(monkeypatch) -> None:
+    """`generate --json` hides it: what it prints is for a program to read."""
+    monkeypatch.setattr(waiting, "_hidden", False)
+    assert waiting.wanted(Terminal())
+    waiting.hide()
+    assert not waiting.wanted(Terminal())
+    monkeypatch.setenv(PROGRESS_ENV, "1")
+    assert waiting.wanted(Terminal())
