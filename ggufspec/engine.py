@@ -420,7 +420,7 @@ class _Meter:
         self.target0 = self.draft0 = 0.0
         process = getattr(target, "process", None)  # isolated.DecoderProcess: a target on RPC servers
         stats.rpc_round_trip_ms = process.round_trip * 1e3 if process is not None else 0.0
-        self.wait = Wait(f"decoding the prompt ({stats.prompt_tokens} tokens)").start()
+        self.wait = Wait(f"decoding the prompt, {stats.prompt_tokens} tokens").start()
 
     def prefilled(self) -> None:
         self.wait.stop()
