@@ -544,6 +544,10 @@ def generate(prompt, prompt_option, prompt_file, escape, chat, raw, system, trun
     prompt = _prompt_text(prompt, prompt_option, prompt_file, escape)
     if escape:  # as llama.cpp, which processes the reverse prompts' escapes too
         params["stop"] = tuple(_escaped(s, f"--stop {s!r}") for s in params["stop"])
+    if as_json:  # for a program to read: no spinner on stderr either, unless GGUFSPEC_PROGRESS=1 asks
+        from .waiting import hide
+
+        hide()
     engine, _ = load_engine(params, truncate_prompt=truncate_prompt, context_shift=context_shift)
     try:
         templated = not raw and (chat or system is not None or engine.has_chat_template)
