@@ -2,8 +2,8 @@
 long prompt is decoded, so that a run is never silent for long before its first token.
 
 Contract: nothing is written for a wait shorter than SHOW_AFTER seconds, nor where stderr is not a terminal (pipes,
-files, tests that parse stderr), nor off the main thread (a server's request threads log lines instead), nor after
-hide() (`generate --json`); GGUFSPEC_PROGRESS=0 turns the spinner off, =1 shows it on any stream (on request). A
+files, tests that parse stderr), nor off the main thread (a server's request threads log lines instead), nor inside
+hidden() (`generate --json`); GGUFSPEC_PROGRESS=0 turns the spinner off, =1 shows it on any stream (on request). A
 shown spinner is erased when the wait ends, so the text that follows starts on a clean line. One spinner at a time:
 a wait inside another shows nothing of its own.
 """
@@ -24,19 +24,25 @@ FRAMES = "|/-\\"
 TICK = 0.2  # seconds between frames
 
 _showing = threading.Lock()  # held by the spinner on screen: one at a time
-_hidden = False  # hide(): none in this process unless asked
+_hidden = 0  # hidden() blocks around now: none inside them unless asked
 
 
-def hide() -> None:
-    """No spinner in this process from now on, unless GGUFSPEC_PROGRESS=1 asks for it (`generate --json`: what it
-    prints is for a program to read)."""
+@contextlib.contextmanager
+def hidden() -> Iterator[None]:
+    """No spinner inside the block, unless GGUFSPEC_PROGRESS=1 asks for it (`generate --json`: what it prints is for
+    a program to read). Scoped, not for the rest of the process: a process that runs commands in turn (a test
+    session, a notebook) shows the next one's waits again."""
     global _hidden
-    _hidden = True
+    _hidden += 1
+    try:
+        yield
+    finally:
+        _hidden -= 1
 
 
 def wanted(stream: TextIO) -> bool:
     """Whether a wait may show a spinner on `stream`: GGUFSPEC_PROGRESS says so ("1" yes, "0" no), else only where
-    hide() was not called, on the main thread, and where `stream` is a terminal."""
+    not inside hidden(), on the main thread, and where `stream` is a terminal."""
     forced = os.environ.get(PROGRESS_ENV, "")
     if forced in ("0", "1"):
         return forced == "1"

@@ -90,11 +90,13 @@ def test_show_false_draws_nothing() -> None:
     assert term.getvalue() == ""
 
 
-def test_hidden_for_the_rest_of_the_process_unless_asked(monkeypatch) -> None:
-    """`generate --json` hides it: what it prints is for a program to read."""
-    monkeypatch.setattr(waiting, "_hidden", False)
+def test_hidden_inside_the_block_only_unless_asked(monkeypatch) -> None:
+    """`generate --json` hides it: what it prints is for a program to read. Only while it runs: a process that runs
+    commands in turn (this test session runs generate --json in-process) shows the next one's waits."""
     assert waiting.wanted(Terminal())
-    waiting.hide()
-    assert not waiting.wanted(Terminal())
-    monkeypatch.setenv(PROGRESS_ENV, "1")
+    with waiting.hidden():
+        assert not waiting.wanted(Terminal())
+        monkeypatch.setenv(PROGRESS_ENV, "1")
+        assert waiting.wanted(Terminal())
+        monkeypatch.delenv(PROGRESS_ENV)
     assert waiting.wanted(Terminal())
