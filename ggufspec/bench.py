@@ -190,10 +190,11 @@ def _pooled(runs: Iterable[Run]) -> dict[str, float]:
               "target_passes")}
     secs = total["generation_seconds"] or 1e-9
     engine = max(0.0, secs - total["draft_seconds"] - total["target_seconds"])
+    committed = sum(r.stats.get("committed_tokens", r.stats["generated_tokens"]) for r in runs)  # a stop token too
     return {
         "tps": total["generated_tokens"] / secs,
         "acc": total["accepted"] / total["drafted"] if total["drafted"] else 0.0,
-        "mal": total["generated_tokens"] / total["target_passes"] if total["target_passes"] else 0.0,
+        "mal": committed / total["target_passes"] if total["target_passes"] else 0.0,
         "draft": total["draft_seconds"] / secs, "target": total["target_seconds"] / secs, "engine": engine / secs,
         "engine_ms": 1000 * engine / max(1, total["generated_tokens"]),
     }

@@ -3,6 +3,7 @@ interrupted."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import sys
@@ -544,13 +545,17 @@ def generate(prompt, prompt_option, prompt_file, escape, chat, raw, system, trun
     prompt = _prompt_text(prompt, prompt_option, prompt_file, escape)
     if escape:  # as llama.cpp, which processes the reverse prompts' escapes too
         params["stop"] = tuple(_escaped(s, f"--stop {s!r}") for s in params["stop"])
-    engine, _ = load_engine(params, truncate_prompt=truncate_prompt, context_shift=context_shift)
-    try:
-        templated = not raw and (chat or system is not None or engine.has_chat_template)
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        _stream(engine, messages if templated else prompt, show_stats, as_json, bool(colour))
-    finally:
-        engine.close()
+    from .waiting import hidden
+
+    with hidden() if as_json else contextlib.nullcontext():  # JSON is for a program to read: no spinner on stderr
+        engine, _ = load_engine(params, truncate_prompt=truncate_prompt, context_shift=context_shift)
+        try:
+            templated = not raw and (chat or system is not None or engine.has_chat_template)
+            messages = [{"role": "system", "content": system}] if system else []
+            messages.append({"role": "user", "content": prompt})
+            _stream(engine, messages if templated else prompt, show_stats, as_json, bool(colour))
+        finally:
+            engine.close()
 
 
 def _stream(engine, prompt, show_stats: bool, as_json: bool, colour: bool) -> None:

@@ -16,11 +16,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
+from pathlib import Path
 
 from .decoder import Decoder, LlamaCppDecoder
 from .lockstep import Lockstep, padded_seconds
+from .waiting import waiting
 # the cache files and the machine key: machine_cache, shared with kv_cache (costs_path stays importable from here)
-from .machine_cache import costs_path, machine, read_entry, write_table
+from .machine_cache import costs_path, machine, notice, read_entry, write_table
 from .machine_cache import json_type as _json_type
 
 # Costs are learned per context size: up to this many cached tokens, twice as many, four times... (past 256
@@ -459,9 +461,9 @@ def measure(target: LlamaCppDecoder, draft: Decoder | None, k_max: int, repeats:
         for i, ((d, n), out) in enumerate(zip(sizes, times)):
             if r >= long_repeats and i >= len(sizes) - len(longs):
                 continue
-            t0 = time.perf_counter()
+            t0 = measure_clock()
             d.feed(list(range(200, 200 + n)))
-            out.append(time.perf_counter() - t0)
+            out.append(measure_clock() - t0)
             d.rollback_to(len(ctx))
         for d in decoders:
             if id(d) in holds:
@@ -541,7 +543,18 @@ def measure_together(lockstep: Lockstep, views: Sequence[LlamaCppDecoder], width
     return [min(times[w]) for w in widths]
 
 
-MAX_SPREAD = 1.5  # a measurement noisier than this is used for this run but not cached
+# A measurement noisier than this (its slowest round over its fastest, worst short size) was taken on a busy
+# machine: it is still cached, marked noisy (its `spread`), and refined by the next tries (NOISY_RETRY_AFTER)
+MAX_SPREAD = 1.5
+# Measurements a first use takes at most while they stay noisy, each batch's fastest time kept: a busy machine would
+# otherwise never cache a quiet one, and measure again before the first token of every run
+MEASURE_TRIES = 3
+# Seconds after which a noisy entry is measured again (one try, at its next use): a busy spell ends, and each try
+# can only make its times faster, closer to what the batches cost
+NOISY_RETRY_AFTER = 3600.0
+# What a cached entry holds besides the CostModel's fields: the spread of its measurement and when (Unix seconds)
+ENTRY_FIELDS = ("spread", "measured")
+measure_clock = time.perf_counter  # measure()'s timer: a module attribute, so that a test can make it noisy
 
 
 def cached_measure(target: LlamaCppDecoder, draft: LlamaCppDecoder | None, k_max: int,
@@ -549,21 +562,118 @@ def cached_measure(target: LlamaCppDecoder, draft: LlamaCppDecoder | None, k_max
     """measure(), remembered per model files, thread settings, CPU and llama.cpp build (machine_cache.machine: a
     home shared by different machines must not share their costs) in machine_cache.costs_path().
 
-    A cached entry is used only when check_costs passes it: a bad one is reported on stderr, measured again and
-    written over, so what the cache holds never makes a run fail."""
+    A first use says on stderr what it measures, and takes up to MEASURE_TRIES measurements while they are noisy
+    (each batch's fastest time kept); the result is cached even if noisy, marked so (entry_noisy), and a noisy
+    entry is used as it is until NOISY_RETRY_AFTER seconds have passed, then refined by one more try at its next
+    use. A cached entry is used only when check_costs passes it: a bad one is reported on stderr, measured again
+    and written over, so what the cache holds never makes a run fail."""
     if target.options.remote or (draft is not None and draft.options.remote):
         # a network's costs: not this machine's
-        return measure(target, draft, k_max, long_sizes=long_sizes)[0]
+        notice(f"measuring the target's batch costs through the network for auto: {_what(k_max, draft)} (at each "
+               "load: links change)")
+        return _tries(target, draft, k_max, long_sizes, 1)[0]
     path = costs_path()
     key = [_identity(target), _identity(draft) if draft else None, k_max, list(long_sizes), machine()]
     entry = read_entry(path, json.dumps(key), lambda value: check_costs(value, k_max, long_sizes))
-    if entry is not None:
-        return CostModel(**entry)
-    model, spread = measure(target, draft, k_max, long_sizes=long_sizes)
+    if entry is not None and not _retry_due(entry):
+        return cached_model(entry)
+    if entry is None:
+        notice(f"measuring this machine's batch costs for auto: {_what(k_max, draft)} (once for these models and "
+               f"settings: cached in {path})")
+        model, spread = _tries(target, draft, k_max, long_sizes, MEASURE_TRIES)
+    else:
+        notice(f"measuring the batch costs for auto again: the cached ones ({_when(entry['measured'])}) were taken "
+               f"on a busy machine (spread {entry['spread']:.2f}); one try, each batch's fastest time kept")
+        model, spread = _tries(target, draft, k_max, long_sizes, 1, (cached_model(entry), entry["spread"]))
     if spread > MAX_SPREAD:
-        return model
-    write_table(path, {json.dumps(key): asdict(model)})
+        notice(f"this machine was busy while measuring (spread {spread:.2f}, over {MAX_SPREAD}): its fastest times "
+               f"are used and cached, marked noisy, and measured again at a run {NOISY_RETRY_AFTER / 60:.0f} "
+               "minutes or more from now")
+    write_table(path, {json.dumps(key): {**asdict(model), "spread": spread, "measured": round(time.time())}})
     return model
+
+
+def _what(k_max: int, draft: Decoder | None) -> str:
+    """What measure() times, for the notices: why the wait."""
+    drafts = ", and a draft token" if draft is not None else ""
+    return f"the target's batches of 1 to {k_max + 1} tokens and longer ones{drafts}, 5 rounds each"
+
+
+def _tries(target: LlamaCppDecoder, draft: Decoder | None, k_max: int, long_sizes: Sequence[int], tries: int,
+           best: tuple[CostModel, float] | None = None) -> tuple[CostModel, float]:
+    """Up to `tries` measurements, until one is quiet (spread at most MAX_SPREAD), starting from `best` (an
+    earlier model and its spread); each batch's fastest time over them all, and the smallest spread. A spinner
+    shows on a terminal while they run (waiting)."""
+    with waiting("measuring batch costs for auto") as wait:
+        for i in range(tries):
+            if tries > 1:
+                wait.label = f"measuring batch costs for auto, try {i + 1} of at most {tries}"
+            model, spread = measure(target, draft, k_max, long_sizes=long_sizes)
+            best = (model, spread) if best is None else (fastest(best[0], model), min(best[1], spread))
+            if spread <= MAX_SPREAD:
+                break
+    assert best is not None  # tries >= 1
+    return best
+
+
+def fastest(a: CostModel, b: CostModel) -> CostModel:
+    """Each time of two measurements of the same batches, the faster one: a busy machine only adds time, so the
+    fastest of several noisy measurements is the closest to what each batch costs."""
+    pick = lambda xs, ys: [min(x, y) for x, y in zip(xs, ys)]  # noqa: E731
+    return replace(a.copy(), verify=pick(a.verify, b.verify), draft=min(a.draft, b.draft),
+                   long_verify=pick(a.long_verify, b.long_verify), hold=min(a.hold, b.hold),
+                   draft_hold=min(a.draft_hold, b.draft_hold))
+
+
+def cached_model(entry: dict) -> CostModel:
+    """The CostModel of a cache entry that check_costs passed (without ENTRY_FIELDS)."""
+    return CostModel(**{k: v for k, v in entry.items() if k not in ENTRY_FIELDS})
+
+
+def entry_noisy(entry: object) -> bool:
+    """Whether a cache entry was measured on a busy machine (with a valid spread and time over MAX_SPREAD; entries
+    written before spreads were kept: no)."""
+    return isinstance(entry, dict) and _check_measurement(entry) is None and entry.get("spread", 1.0) > MAX_SPREAD
+
+
+def _retry_due(entry: dict) -> bool:
+    """A noisy entry whose NOISY_RETRY_AFTER has passed: its next use measures once more."""
+    return entry_noisy(entry) and time.time() - entry.get("measured", 0) >= NOISY_RETRY_AFTER
+
+
+def _when(unix: float) -> str:
+    """A measurement's local time, for notices and doctor."""
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(unix))
+
+
+def cache_report(path: Path) -> list[str]:
+    """`ggufspec doctor`'s lines on the cost cache at `path`: what it holds, then one line per noisy entry (its
+    models, draft lengths, spread, when it was measured and when it is measured again)."""
+    try:
+        table = json.loads(path.read_bytes())
+    except OSError:
+        return [f"cost model cache: {path} (not written yet: auto measures at its first run)"]
+    except (ValueError, RecursionError):
+        table = None
+    if not isinstance(table, dict):
+        return [f"cost model cache: {path} (not a JSON table: measured again and replaced at auto's next run)"]
+    noisy = [(key, e) for key, e in table.items() if entry_noisy(e)]
+    lines = [f"cost model cache: {path} ({len(table)} measured setups, {len(noisy)} of them noisy)"]
+    for key, e in noisy:
+        retry = e["measured"] + NOISY_RETRY_AFTER
+        lines.append(f"  noisy: {_setup(key)}: spread {e['spread']:.2f} (over {MAX_SPREAD}), measured "
+                     f"{_when(e['measured'])}; in use as it is, measured again at a run from {_when(retry)}")
+    return lines
+
+
+def _setup(key: str) -> str:
+    """A cache key's models and draft lengths, for doctor (a key that is not one of ours: as it is)."""
+    try:
+        target, draft, k_max = json.loads(key)[:3]
+        models = " + ".join(Path(m[0]).name for m in (target, draft) if m)
+        return f"{models}, draft lengths up to {k_max}"
+    except (ValueError, TypeError, IndexError, KeyError):
+        return key
 
 
 def check_costs(entry: object, k_max: int, long_sizes: Sequence[int] = LONG_BATCHES) -> str | None:
@@ -572,13 +682,18 @@ def check_costs(entry: object, k_max: int, long_sizes: Sequence[int] = LONG_BATC
     verify: k_max + 1 seconds; draft: seconds or 0 (no draft model); long_sizes: what measure() takes of
     `long_sizes` (the sizes past verify's, up to those that fit), with one long_verify time each (both may be
     missing); no pool's batches (draft_sizes, slots, shapes: a pool measures or learns them at each load).
-    Seconds are finite floats above 0: prices divide by them and interpolate between the sizes."""
+    Seconds are finite floats above 0: prices divide by them and interpolate between the sizes. `spread` (a float
+    >= 1) and `measured` (whole Unix seconds) come together, or not at all in entries written before them."""
     if not isinstance(entry, dict):
         return f"expected an object, found {_json_type(entry)}"
     unknown = sorted(set(entry) - {"verify", "draft", "long_sizes", "long_verify", "draft_sizes", "draft_batches",
-                                   "slots", "slot_verify", "shapes", "hold", "snapshots", "draft_hold"})
+                                   "slots", "slot_verify", "shapes", "hold", "snapshots", "draft_hold",
+                                   *ENTRY_FIELDS})
     if unknown:
         return f"unknown fields: {', '.join(unknown)}"
+    why = _check_measurement(entry)
+    if why is not None:
+        return why
     verify, draft = entry.get("verify"), entry.get("draft")
     sizes, secs = entry.get("long_sizes", []), entry.get("long_verify", [])
     longs = [n for n in long_sizes if n > k_max + 1]
@@ -599,6 +714,18 @@ def check_costs(entry: object, k_max: int, long_sizes: Sequence[int] = LONG_BATC
     if entry.get("slots", 0) != 0 or entry.get("shapes", {}) != {} or any(
             entry.get(name, []) != [] for name in ("draft_sizes", "draft_batches", "slot_verify")):
         return "a pool's batches (draft_sizes, draft_batches, slots, slot_verify, shapes): expected none"
+    return None
+
+
+def _check_measurement(entry: dict) -> str | None:
+    """What is wrong with an entry's ENTRY_FIELDS (both, or neither as before they were kept); None if nothing."""
+    spread, measured = entry.get("spread"), entry.get("measured")
+    if spread is None and measured is None:
+        return None
+    if not (type(spread) is float and math.isfinite(spread) and spread >= 1):
+        return "spread: expected a number >= 1, with `measured`"
+    if not (type(measured) is int and measured >= 0):
+        return "measured: expected a time in seconds, with `spread`"
     return None
 
 

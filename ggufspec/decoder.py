@@ -29,6 +29,7 @@ from .machine_cache import notice
 from .memory import check_memory
 from .model import LlamaModel
 from .recurrent import Rewind, Rollbacks, memory_kind, snapshots_for
+from .waiting import waiting
 
 
 class Decoder(Protocol):
@@ -264,10 +265,11 @@ class LlamaCppDecoder:
                          n_rs_seq=opts.n_rs_seq, sequences=opts.n_seq_max if opts.kv_unified is False else 1)
         self._ctx = self._batch = None
         remote = rpc.devices(rpc.parse_endpoints(opts.rpc)) if opts.remote else None  # may abort: see isolated.py
-        self.model = model = LlamaModel(self.path, self.header, n_gpu_layers=(opts.n_gpu_layers or -1) if remote
-                                        else opts.n_gpu_layers, use_mmap=opts.use_mmap, use_mlock=opts.use_mlock,
-                                        repack=opts.repack, verbose=opts.verbose, devices=remote,
-                                        tensor_split=opts.tensor_split)
+        with waiting(f"loading {self.path.name}", show=not opts.verbose):  # a long load shows on a terminal
+            self.model = model = LlamaModel(self.path, self.header, n_gpu_layers=(opts.n_gpu_layers or -1) if remote
+                                            else opts.n_gpu_layers, use_mmap=opts.use_mmap, use_mlock=opts.use_mlock,
+                                            repack=opts.repack, verbose=opts.verbose, devices=remote,
+                                            tensor_split=opts.tensor_split)
         self.vocab, self.n_vocab, self.n_embd = model.vocab, model.n_vocab, model.n_embd
         self.weight_buffers, self.cpu_backend = model.weight_buffers, model.cpu_backend
         self.memory = memory_kind(model.handle)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import platform
 from dataclasses import replace
 from importlib import metadata
@@ -12,6 +11,7 @@ import llama_cpp
 from gguf import GGMLQuantizationType
 
 from . import cpu_backend, rpc
+from .costs import cache_report
 from .decoder import DecoderOptions, LlamaCppDecoder, gpu_offload
 from .engine import GenerationSettings, SpeculativeEngine, with_snapshots
 from .isolated import open_target
@@ -46,12 +46,7 @@ def environment() -> list[str]:
                      f"(docs/cpu-kernels.md): {cpu_backend.REBUILD}")
     for name in backend.kept_broken:
         lines.append(f"  WARNING: {name} is known to crash this build and was kept ({cpu_backend.ALLOW_ENV.format(name)}=1).")
-    path = costs_path()
-    try:
-        entries = f"{len(json.loads(path.read_text()))} measured setups"
-    except (OSError, ValueError):
-        entries = "not written yet"
-    lines.append(f"cost model cache: {path} ({entries})")
+    lines += cache_report(costs_path())
     return lines
 
 

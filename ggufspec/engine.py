@@ -36,6 +36,7 @@ from .stats import Stats
 from .textstream import TextStream
 from .trees import Tree, build_tree, load_tree
 from .verifier import Verdict, Verifier
+from .waiting import Wait
 
 StopReason = Literal["stop", "max_tokens", "length", "interrupted"]
 MEDUSA_DENSE_SIZES = 3  # Medusa's cost model: batches of 1..4 tokens measured, then 16, 32, 64 (interpolated between)
@@ -297,7 +298,7 @@ class SpeculativeEngine:
             raise ContextLengthError(f"{e} (or allow --truncate-prompt)") from None
         tokens, limit = self._fit(tokens, s, draft)
         verifier, proposers, policy = self._prepare(method, sources, s, draft)  # before the prefill: see auto_policy
-        meter = _Meter(self.target, draft, Stats(prompt_tokens=len(tokens), method=method.name))
+        meter = _Meter(self.target, draft, Stats(prompt_tokens=len(tokens), method=method.name), policy)
         out: list[int] = []
         text = TextStream(s.stop)
         reason: StopReason = "interrupted"
@@ -444,16 +445,20 @@ def _committed(steps: Iterator[Verdict], stats: Stats, is_stop: Callable[[int], 
 
 
 class _Meter:
-    """A generation's clocks: wall time around the prefill and the steps, and both models' decode time."""
+    """A generation's clocks: wall time around the prefill and the steps, and both models' decode time; a spinner
+    on a terminal while a long prompt is decoded (waiting); the policy's decision, in the stats at the end."""
 
-    def __init__(self, target: LlamaCppDecoder, draft: LlamaCppDecoder | None, stats: Stats) -> None:
-        self.target, self.draft, self.stats = target, draft, stats
+    def __init__(self, target: LlamaCppDecoder, draft: LlamaCppDecoder | None, stats: Stats,
+                 policy: Policy | None = None) -> None:
+        self.target, self.draft, self.stats, self.policy = target, draft, stats, policy
         self.t0, self.decoded0 = time.perf_counter(), target.n_decoded_tokens
         self.target0 = self.draft0 = 0.0
         process = getattr(target, "process", None)  # isolated.DecoderProcess: a target on RPC servers
         stats.rpc_round_trip_ms = process.round_trip * 1e3 if process is not None else 0.0
+        self.wait = Wait(f"decoding the prompt, {stats.prompt_tokens} tokens").start()
 
     def prefilled(self) -> None:
+        self.wait.stop()
         st = self.stats
         st.prefill_seconds = time.perf_counter() - self.t0
         st.prefill_tokens = self.target.n_decoded_tokens - self.decoded0
@@ -461,8 +466,11 @@ class _Meter:
         self.target0, self.draft0 = _busy(self.target), _busy(self.draft)
 
     def finish(self, generated: int) -> Stats:
+        self.wait.stop()
         st = self.stats
         st.generated_tokens = generated
+        decision = getattr(self.policy, "decision", None)  # auto's: what it drafted from, or why nothing
+        st.decision = decision() if decision is not None else ""
         if st.prefill_seconds:
             st.generation_seconds = time.perf_counter() - self.t0 - st.prefill_seconds
             st.target_seconds = _busy(self.target) - self.target0

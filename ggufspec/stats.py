@@ -13,6 +13,9 @@ class Stats:
     prefill_tokens: int = 0  # prompt tokens decoded before the first step (the rest: cached, or the last one)
     cached_tokens: int = 0  # prompt tokens whose KV entries were reused from the previous generation
     generated_tokens: int = 0
+    # tokens the target's passes committed: the generated ones, and the stop token (or a stop string's step's last
+    # ones) that ended the run: each pass commits at least one, so tok/pass is never below 1 (plain decoding: 1.00)
+    committed_tokens: int = 0
     target_passes: int = 0
     drafted: int = 0
     accepted: int = 0
@@ -21,6 +24,7 @@ class Stats:
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
     method: str = ""
+    decision: str = ""  # what `auto` drafted from, or why it drafted nothing (AutoPolicy.decision); else empty
     # a target on RPC servers: their slowest handshake round trip, measured at load. The link's latency beside the
     # time per pass; llama.cpp does not say how much of a pass was spent waiting on the network
     rpc_round_trip_ms: float = 0.0
@@ -31,6 +35,7 @@ class Stats:
     def record(self, drafted: int, accepted: int) -> None:
         """One target pass that verified `drafted` tokens and kept the first `accepted` of them."""
         self.target_passes += 1
+        self.committed_tokens += accepted + 1
         if not drafted:
             return
         self.drafted += drafted
@@ -53,8 +58,8 @@ class Stats:
 
     @property
     def mean_accepted_length(self) -> float:
-        """Tokens committed per target pass (1.0 for autoregressive decoding)."""
-        return self.generated_tokens / self.target_passes if self.target_passes else 0.0
+        """Tokens committed per target pass, a stop token too (1.0 for autoregressive decoding)."""
+        return self.committed_tokens / self.target_passes if self.target_passes else 0.0
 
     @property
     def prefill_tps(self) -> float:
@@ -87,6 +92,8 @@ class Stats:
         if self.drafted:
             by_pos = "/".join(f"{a:.0%}".rstrip("%") for a in self.acceptance_by_position)
             s += f" | acceptance {self.acceptance_rate:.1%} ({self.accepted}/{self.drafted}), by position {by_pos}%"
+        if self.decision:
+            s += f" | {self.decision}"
         t = self.generation_seconds or 1.0
         s += (f" | time: target {self.target_seconds / t:.0%}, draft {self.draft_seconds / t:.0%}, "
               f"engine {self.engine_seconds / t:.0%}")

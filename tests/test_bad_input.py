@@ -113,7 +113,7 @@ def test_prompt_longer_than_context(tiny_target) -> None:
     assert r.exit_code == 2 and "context" in r.output
     r = run_cli("generate", "-m", str(tiny_target), "-c", "64", "-n", "8", "--truncate-prompt", "--json", long)
     assert r.exit_code == 0, r.output
-    out = json.loads(r.output)
+    out = json.loads(r.stdout)
     assert out["stats"]["prompt_tokens"] <= 64 and len(out["tokens"]) == 8
 
 

@@ -10,19 +10,23 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
 
 import ggufspec.costs as costs_module
 from ggufspec import kv_cache, machine_cache
-from ggufspec.costs import LONG_BATCHES, check_costs, measure
+from ggufspec.costs import ENTRY_FIELDS, LONG_BATCHES, check_costs, measure
+from ggufspec.decoder import DecoderOptions
+from ggufspec.engine import GenerationSettings, SpeculativeEngine
 
 from conftest import open_decoder
 
 K_MAX = 2
+MEASURING = "ggufspec: measuring this machine's batch costs for auto: "  # the notice of a first measurement
 
 
 # --- where they live ------------------------------------------------------------------------------
@@ -84,6 +88,12 @@ def decoders(tiny_target, tiny_draft):
         yield t, d
 
 
+def cached_models(path: Path) -> dict[str, dict]:
+    """The cost models in the cache at `path`, by key: each entry without ENTRY_FIELDS (how and when measured)."""
+    return {key: {k: v for k, v in entry.items() if k not in ENTRY_FIELDS}
+            for key, entry in json.loads(path.read_text()).items()}
+
+
 def nan(good: dict) -> dict:
     """A good entry with NaN for its first time (json writes and reads NaN)."""
     return {**good, "verify": [float("nan"), *good["verify"][1:]]}
@@ -122,8 +132,10 @@ def test_a_bad_cost_entry_is_measured_again_and_written_over(decoders, measured,
 
     again = costs_module.cached_measure(*decoders, K_MAX)
     assert len(measured) == 2 and len(again.verify) == K_MAX + 1  # measured anew
-    assert capsys.readouterr().err == f"ggufspec: ignoring a bad entry in {path} ({why}); measuring again\n"
-    assert json.loads(path.read_text()) == {key: asdict(again)}  # written over
+    ignored, measuring = capsys.readouterr().err.splitlines()
+    assert ignored == f"ggufspec: ignoring a bad entry in {path} ({why}); measuring again"
+    assert measuring.startswith(MEASURING)
+    assert cached_models(path) == {key: asdict(again)}  # written over
     assert costs_module.cached_measure(*decoders, K_MAX) == again and len(measured) == 2  # and read back
     assert capsys.readouterr().err == ""
 
@@ -156,8 +168,9 @@ def test_a_cost_file_that_is_not_a_table_is_measured_again(decoders, measured, c
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(content)
     model = costs_module.cached_measure(*decoders, K_MAX)
-    assert capsys.readouterr().err == f"ggufspec: ignoring {path} ({why}); measuring again\n"
-    assert list(json.loads(path.read_text()).values()) == [asdict(model)]
+    ignored, measuring = capsys.readouterr().err.splitlines()
+    assert ignored == f"ggufspec: ignoring {path} ({why}); measuring again" and measuring.startswith(MEASURING)
+    assert list(cached_models(path).values()) == [asdict(model)]
 
 
 def test_a_run_with_bad_cache_files_goes_on_and_says_so(tiny_target, tiny_draft, tmp_path) -> None:
@@ -173,6 +186,114 @@ def test_a_run_with_bad_cache_files_goes_on_and_says_so(tiny_target, tiny_draft,
     assert f"ggufspec: ignoring {tmp_path / 'kv_cache.json'} (expected a JSON object, found a string)" in r.stderr
     assert json.loads(r.stdout)["tokens"]
     assert list(json.loads((tmp_path / "kv_cache.json").read_text()).values())[0] in ("q8_0", "f16")
+
+
+# --- a busy machine ------------------------------------------------------------------------------
+
+class BusyClock:
+    """measure()'s timer on a busy machine, simulated (no test can make this machine busy on demand): every third
+    batch it times takes half a second longer, so each measurement's spread is far over MAX_SPREAD."""
+
+    def __init__(self) -> None:
+        self.calls, self.lost = 0, 0.0
+
+    def __call__(self) -> float:
+        self.calls += 1
+        if self.calls % 6 == 0:  # measure() reads the timer twice a batch: the end of every third batch
+            self.lost += 0.5
+        return time.perf_counter() + self.lost
+
+
+@pytest.fixture
+def busy(tmp_path, monkeypatch) -> list[float]:
+    """costs.json in tmp_path, measure()'s timer busy (BusyClock); the spread of every real measurement taken."""
+    spreads: list[float] = []
+
+    def counted(target, draft, k_max, long_sizes=LONG_BATCHES):
+        model, spread = measure(target, draft, k_max, long_sizes=long_sizes)
+        spreads.append(spread)
+        return model, spread
+
+    monkeypatch.setenv("GGUFSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(costs_module, "measure_clock", BusyClock())
+    monkeypatch.setattr(costs_module, "measure", counted)
+    return spreads
+
+
+def run_auto(target: Path, draft: Path) -> None:
+    """A run of `auto` on the pair, as generate makes one: it measures the costs or reads them from the cache."""
+    with SpeculativeEngine.load(target, draft, DecoderOptions(n_ctx=256)) as engine:
+        engine.generate("Hello", GenerationSettings(max_tokens=2, method="auto", draft_max=K_MAX))
+
+
+def test_a_noisy_measurement_is_cached_marked_noisy_and_the_next_run_uses_it(tiny_target, tiny_draft, busy,
+                                                                              capsys) -> None:
+    """On a busy machine the first run takes the best of a few tries, says what it measures, and caches the result
+    marked noisy; the next run uses it without measuring, and doctor says it is noisy and when it was measured."""
+    run_auto(tiny_target, tiny_draft)
+    err = capsys.readouterr().err.splitlines()
+    path = costs_module.costs_path()
+    assert len(busy) == costs_module.MEASURE_TRIES and min(busy) > costs_module.MAX_SPREAD  # every try was noisy
+    assert [line for line in err if line.startswith(MEASURING)] == [
+        f"{MEASURING}the target's batches of 1 to {K_MAX + 1} tokens and longer ones, and a draft token, 5 rounds "
+        f"each (once for these models and settings: cached in {path})"]
+    assert any(line.startswith("ggufspec: this machine was busy while measuring") for line in err), err
+    table = json.loads(path.read_text())
+    [entry] = table.values()
+    assert entry["spread"] == min(busy) and costs_module.entry_noisy(entry)
+    assert abs(entry["measured"] - time.time()) < 600  # measured now (the bound only allows for the run's length)
+
+    run_auto(tiny_target, tiny_draft)
+    assert len(busy) == costs_module.MEASURE_TRIES, "the second run measured again"
+    assert capsys.readouterr().err == ""
+    assert json.loads(path.read_text()) == table  # used as it is
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(entry["measured"]))
+    assert costs_module.cache_report(path)[:2] == [
+        f"cost model cache: {path} (1 measured setups, 1 of them noisy)",
+        f"  noisy: tiny-target.gguf + tiny-draft.gguf, draft lengths up to {K_MAX}: spread {entry['spread']:.2f} "
+        f"(over {costs_module.MAX_SPREAD}), measured {when}; in use as it is, measured again at a run from "
+        f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(entry['measured'] + costs_module.NOISY_RETRY_AFTER))}"]
+
+
+def test_a_noisy_entry_is_refined_by_one_try_once_it_is_old(decoders, busy, monkeypatch, capsys) -> None:
+    """Past NOISY_RETRY_AFTER (simulated: the entry's time moved back), the next use measures once more and keeps
+    each batch's fastest time; a quiet try clears the mark."""
+    noisy = costs_module.cached_measure(*decoders, K_MAX)
+    path = costs_module.costs_path()
+    [(key, entry)] = json.loads(path.read_text()).items()
+    assert costs_module.cached_measure(*decoders, K_MAX) == noisy and len(busy) == costs_module.MEASURE_TRIES
+    entry["measured"] -= int(costs_module.NOISY_RETRY_AFTER) + 1
+    path.write_text(json.dumps({key: entry}))
+    capsys.readouterr()
+    # a quiet try that finds the first batch size faster and the others slower than the noisy entry says
+    tried = replace(noisy, verify=[noisy.verify[0] / 2, *(v * 2 for v in noisy.verify[1:])], draft=noisy.draft * 2)
+    monkeypatch.setattr(costs_module, "measure", lambda target, draft, k_max, long_sizes=LONG_BATCHES: (tried, 1.0))
+
+    refined = costs_module.cached_measure(*decoders, K_MAX)
+    assert capsys.readouterr().err.startswith("ggufspec: measuring the batch costs for auto again: the cached ones (")
+    [again] = json.loads(path.read_text()).values()
+    assert again["spread"] == 1.0 and not costs_module.entry_noisy(again) and again["measured"] > entry["measured"]
+    assert asdict(costs_module.cached_model(again)) == asdict(refined)
+    assert refined.verify == [tried.verify[0], *noisy.verify[1:]] and refined.draft == noisy.draft  # the fastest
+    assert costs_module.cached_measure(*decoders, K_MAX) == refined and capsys.readouterr().err == ""
+
+
+def test_a_corrupt_entry_is_replaced_even_by_a_noisy_measurement(decoders, busy, monkeypatch, capsys) -> None:
+    """The corrupt entry's notice is said once: the noisy measurement that follows replaces it."""
+    path = costs_module.costs_path()
+    with monkeypatch.context() as quiet:  # an entry to corrupt, measured on a quiet machine
+        quiet.setattr(costs_module, "measure", lambda *args, **kwargs: (measure(*args, **kwargs)[0], 1.0))
+        costs_module.cached_measure(*decoders, K_MAX)
+    [key] = json.loads(path.read_text())
+    path.write_text(json.dumps({key: {"verify": "fast"}}))
+    capsys.readouterr()
+
+    model = costs_module.cached_measure(*decoders, K_MAX)
+    assert f"ggufspec: ignoring a bad entry in {path} (verify: expected 3 positive numbers); measuring again" in (
+        capsys.readouterr().err)
+    [entry] = json.loads(path.read_text()).values()
+    assert check_costs(entry, K_MAX) is None and costs_module.entry_noisy(entry)
+    assert costs_module.cached_measure(*decoders, K_MAX) == model and capsys.readouterr().err == ""
 
 
 # --- writers at once --------------------------------------------------------------------------
@@ -204,7 +325,7 @@ def test_two_measurements_at_once_keep_both_entries(tiny_target, tmp_path, monke
     for t in threads:
         t.join()
     assert not errors
-    table = json.loads(costs_module.costs_path().read_text())
+    table = cached_models(costs_module.costs_path())
     assert sorted(json.loads(key)[2] for key in table) == [1, 2]
     assert sorted(table.values(), key=lambda e: len(e["verify"])) == [asdict(models[1]), asdict(models[2])]
 

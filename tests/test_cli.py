@@ -23,7 +23,7 @@ from tiny_models import write_tiny_gguf
 def test_generate_json_matches_the_api(smollm2_path) -> None:
     r = CliRunner().invoke(main, ["generate", "-m", str(smollm2_path), "-n", "24", "--json", "--raw", "The capital of France is"])
     assert r.exit_code == 0, r.output
-    out = json.loads(r.output)
+    out = json.loads(r.stdout)
     with SpeculativeEngine.load(smollm2_path) as engine:
         ref = engine.generate("The capital of France is", GenerationSettings(max_tokens=24))
     assert out["tokens"] == ref.tokens and out["text"] == ref.text
@@ -62,7 +62,7 @@ def test_a_model_whose_logits_are_nan_is_one_clear_error_not_junk(tokenizer_fiel
 def test_generate_ignore_eos_runs_to_n_tokens(smollm2_path) -> None:
     runs = {flag: CliRunner().invoke(main, ["generate", "-m", str(smollm2_path), "-n", "24", "--json", *flag,
                                             "What is 2+2?"]) for flag in ((), ("--ignore-eos",))}
-    outs = {flag: json.loads(r.output) for flag, r in runs.items() if r.exit_code == 0}
+    outs = {flag: json.loads(r.stdout) for flag, r in runs.items() if r.exit_code == 0}
     assert len(outs) == 2, [r.output for r in runs.values()]
     assert len(outs[()]["tokens"]) < 24 and len(outs[("--ignore-eos",)]["tokens"]) == 24
     assert outs[("--ignore-eos",)]["text"].startswith(outs[()]["text"])
@@ -87,7 +87,7 @@ def test_generate_applies_the_chat_template_by_default(smollm2_path) -> None:
     def run(*args: str) -> dict:
         r = CliRunner().invoke(main, ["generate", "-m", str(smollm2_path), "-n", "24", "--json", *args, prompt])
         assert r.exit_code == 0, r.output
-        return json.loads(r.output)
+        return json.loads(r.stdout)
 
     default, chat, raw = run(), run("--chat"), run("--raw")
     with SpeculativeEngine.load(smollm2_path) as engine:
@@ -106,7 +106,7 @@ def test_a_model_without_a_chat_template_gets_the_plain_prompt(tokenizer_fields,
     runs = [CliRunner().invoke(main, ["generate", "-m", str(path), "-n", "6", "--json", *args, "Hello there"])
             for args in ((), ("--raw",))]
     assert all(r.exit_code == 0 for r in runs), runs[0].output
-    assert json.loads(runs[0].output)["tokens"] == json.loads(runs[1].output)["tokens"]
+    assert json.loads(runs[0].stdout)["tokens"] == json.loads(runs[1].stdout)["tokens"]
     r = CliRunner().invoke(main, ["generate", "-m", str(path), "--chat", "Hello there"])
     assert r.exit_code == 2 and "no chat template" in r.output
 
@@ -116,14 +116,14 @@ def test_generate_reads_stdin(smollm2_path) -> None:
                            input="def add(a, b):\n")
     assert r.exit_code == 0, r.output
     direct = CliRunner().invoke(main, ["generate", "-m", str(smollm2_path), "-n", "8", "--json", "def add(a, b):\n"])
-    assert json.loads(r.output)["tokens"] == json.loads(direct.output)["tokens"]
-    assert json.loads(r.output)["stats"]["prompt_tokens"] == json.loads(direct.output)["stats"]["prompt_tokens"]
+    assert json.loads(r.stdout)["tokens"] == json.loads(direct.stdout)["tokens"]
+    assert json.loads(r.stdout)["stats"]["prompt_tokens"] == json.loads(direct.stdout)["stats"]["prompt_tokens"]
 
 
 def test_stop_string(smollm2_path) -> None:
     r = CliRunner().invoke(main, ["generate", "-m", str(smollm2_path), "-n", "60", "--json", "--raw", "--stop", "\n",
                                   "Here is a list of fruits:\n1."])
-    out = json.loads(r.output)
+    out = json.loads(r.stdout)
     assert out["stop_reason"] == "stop" and "\n" not in out["text"]
 
 

@@ -655,7 +655,7 @@ def test_cli_generate_medusa_json(tiny_target, random_heads) -> None:
         r = CliRunner().invoke(main, ["generate", "-m", str(tiny_target), "-n", "12", "-c", "512", "--json", "--raw", *args,
                                          PROMPTS[1]])
         assert r.exit_code == 0, r.output
-        return json.loads(r.output.strip().splitlines()[-1])
+        return json.loads(r.stdout.strip().splitlines()[-1])
 
     got = run("--method", "medusa", "--medusa", str(random_heads), "--tree", "mc_sim_15")  # a tree named: verified whole
     want = run("--method", "autoregressive")

@@ -111,7 +111,7 @@ def test_cli_medusa_vocab(tiny_target, random_heads, tmp_path) -> None:
     ids.write_text(json.dumps(list(range(300))))
     r = run("--medusa-vocab", str(ids))
     assert r.exit_code == 0, r.output
-    got, want = (json.loads(x.output.strip().splitlines()[-1])["tokens"] for x in (r, ref))
+    got, want = (json.loads(x.stdout.strip().splitlines()[-1])["tokens"] for x in (r, ref))
     assert_same_or_near_tie(tiny_target, PROMPTS[1], want, got, NEAR_TIE["f32"])
     wide = tmp_path / "wide.json"  # 20 top-1 choices: head 0 needs 20 candidates, the set holds 17 (specials + id 0)
     wide.write_text(json.dumps([[i] for i in range(20)]))

@@ -9,12 +9,13 @@ from ..proposers import Context, Draft, Proposer
 from ..proposers.lookup import LONG_MATCH
 from ..verifier import Verdict
 from . import PLAIN, Plan, Timing, check_tree, observe_tree
-from .adaptive import COPY_PRIOR, PHRASE_MATCH, PROBE_EVERY_MAX, AdaptiveLength
+from .adaptive import COPY_PRIOR, MIN_GAIN, OPTIMISTIC, PHRASE_MATCH, PROBE_EVERY_MAX, SHARED_GAIN, AdaptiveLength
 from .tree_sizer import TreeSizer
 
 # The most tokens over which the draft model's catching up is expected to pay back (AutoPolicy._catch_up_pays): an
 # estimate near break-even may turn drafting off again within as many steps, and the next start catches up again
 CATCH_UP_HORIZON = PROBE_EVERY_MAX
+SOURCE_NAMES = {"draft": "draft model", "lookup": "lookup", "medusa": "Medusa tree"}  # for decision()
 
 
 class AutoPolicy:
@@ -52,6 +53,9 @@ class AutoPolicy:
         # a pool's slots' draft-model records by lane, this one's too (set by the engine: shared by the pool's slots):
         # following slots price what each of them keeps (SharedBatch)
         self.slot_records: dict[int, AdaptiveLength] | None = None
+        # this generation's steps by what drafted them (None: plain), and the steps lookup had a guess at: decision()
+        self.steps: dict[str | None, int] = {}
+        self.guessed = 0
 
     @property
     def k_cap(self) -> int:
@@ -110,6 +114,7 @@ class AutoPolicy:
             length.restart()
         self._unverified.clear()
         self.source = self._proposed = None
+        self.steps, self.guessed = {}, 0
         self.lanes, self.lane = ((1,) * (1 + self.peers), 0) if self.peers else ((), 0)
         return {"draft"} if self.model is not None and self.uses_model(len(prompt) + 1) else set()
 
@@ -148,6 +153,7 @@ class AutoPolicy:
         self._judge_unverified(context)
         guess = self.lookup.find(context, k)
         match = self.lookup.match
+        self.guessed += bool(guess)
         self.source = (self.copy_length if match >= LONG_MATCH else
                        self.phrase_length if match >= PHRASE_MATCH else self.lookup_length)
         # no guess, nothing to choose: no price, no plain step counted toward a probe, no probe with nothing to verify
@@ -173,6 +179,8 @@ class AutoPolicy:
         self.lanes, self.lane = verdict.lanes, verdict.lane
         if self.slot_records is not None and self.model_length is not None and verdict.lanes:
             self.slot_records[self.lane] = self.model_length
+        source = plan.source if draft.tokens else None  # a step that drafted nothing ran as a plain one
+        self.steps[source] = self.steps.get(source, 0) + 1
         drafted = kept = 0
         if plan.source in ("lookup", "draft"):
             drafted, kept = len(draft.tokens), verdict.kept
@@ -180,6 +188,44 @@ class AutoPolicy:
             observe_tree(self.sizer, draft, verdict, timing)
         if self.source is not None:  # the record that chose: it also times plain steps
             self.source.update(drafted, kept, timing)
+
+    def decision(self) -> str:
+        """What this generation drafted from, and why nothing, or why the draft model stayed off, at the costs of the
+        last context: "speculation off: a 5-token batch costs 3.6 decodes here and a draft token 0.95: even drafts
+        kept 90% of the time would not pay". For the stats line and --json."""
+        drafted = {s: n for s, n in self.steps.items() if s is not None}
+        parts = []
+        if drafted:
+            by = ", ".join(f"{SOURCE_NAMES.get(s, s)} {n}" for s, n in sorted(drafted.items(), key=lambda x: -x[1]))
+            parts.append(f"drafted on {sum(drafted.values())} of {sum(self.steps.values())} passes ({by})")
+        model = self.model_length
+        if model is not None and "draft" not in drafted:
+            parts.append(f"{'the draft model' if drafted else 'speculation'} off: {self._why_off(model)}")
+        elif not drafted:
+            why = self._why_off(self.lookup_length)
+            if self.sizer is not None:
+                why = f"the heads' tree was not expected to pay, nor lookup's guesses ({why})"
+            parts.append(f"speculation off: {why}")
+        return "; ".join(parts)
+
+    def _why_off(self, record: AdaptiveLength) -> str:
+        """Why `record` (the draft model's, or lookup's chance matches) drafted nothing: no guess to verify, what a
+        batch costs here against the best a draft could keep, or against what its drafts were expected to keep."""
+        if record is not self.model_length and not self.guessed:
+            return "the text did not repeat itself, so lookup had nothing to guess"
+        c, free = record.costs, record.free
+        k = c.best_k(OPTIMISTIC, self.k_max, k_min=1, free=free)  # the length most likely to pay
+        price = f"a {k + 1}-token batch costs {c.batch_seconds(k + 1) / c.verify[0]:.1f} decodes here"
+        if not free:
+            price += f" and a draft token {c.draft / c.verify[0]:.2f}"
+        gain = SHARED_GAIN if c.shared else MIN_GAIN
+        if c.expected_rate(k, OPTIMISTIC, free) < gain * c.expected_rate(0, 0):
+            return f"{price}: even drafts kept {OPTIMISTIC:.0%} of the time would not pay"
+        if not record.planned():
+            return f"{price}: drafts kept {record.acceptance[0]:.0%} of the time (so far) would not pay"
+        if record is self.model_length:
+            return f"{price}: drafting would pay, but not the draft's catching up on the text it has not seen"
+        return f"{price}: no guess came where verifying it would pay"
 
     def _withdraw(self) -> None:
         """The lookup guess just planned is not verified (the tree runs instead): the step teaches its record
