@@ -20,6 +20,7 @@ import numpy as np
 
 from .batch_jobs import engine_prompt, read_prompts
 from .engine import GenerationSettings, Prompt, SpeculativeEngine
+from .proposers import AnswerPool
 from .sampling import SamplingParams
 
 
@@ -113,6 +114,9 @@ def run_bench(
                     )
                     if cfg.fresh:
                         engine.reset()
+                    # no earlier answers: `auto`'s lookup would copy this prompt's answer from its last run (another
+                    # method's, or an earlier repetition's), which no real prompt has to copy
+                    engine.answers = AnswerPool()
                     result = engine.generate(prompt.prompt, settings)
                     if rep >= 0:
                         runs.append(Run(prompt.id, prompt.category, method, temp, rep, result.tokens,
