@@ -84,6 +84,11 @@ def write_tiny_gguf(
     if chat_template is not None:
         tokenizer = [f for f in tokenizer if f.name != "tokenizer.chat_template"]
         w.add_chat_template(chat_template)
+    return _finish(w, path, tokenizer, weights)
+
+
+def _finish(w: gguf.GGUFWriter, path: Path, tokenizer: list[gguf.ReaderField], weights: dict[str, np.ndarray]) -> Path:
+    """Add the tokenizer fields and the tensors to `w`, write it to `path` and close it."""
     for f in tokenizer:
         vtype = f.types[0]
         sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
@@ -202,14 +207,4 @@ def write_hybrid_gguf(path: Path, tokenizer: list[gguf.ReaderField], weights: di
             w.add_uint32(f"{cfg.arch}.ssm.{key}", value)
     w.add_rope_dimension_count(hd)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    for f in tokenizer:
-        vtype = f.types[0]
-        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        w.add_key_value(f.name, f.contents(), vtype, sub_type=sub)
-    for tname, arr in weights.items():
-        w.add_tensor(tname, arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return _finish(w, path, tokenizer, weights)
