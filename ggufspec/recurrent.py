@@ -29,6 +29,8 @@ from enum import Enum
 
 import llama_cpp
 
+from .errors import GGUFSpecError
+
 PARTIAL = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY  # the recurrent (and sliding-window) part of a sequence only
 # The most snapshots a target keeps (each a copy of its recurrent state, per sequence): longer chains (lookup's copies)
 # are undone from a checkpoint instead
@@ -157,7 +159,7 @@ class Rewind:
         r = cached - n
         if known and 0 < r <= self._reach:
             if not llama_cpp.llama_memory_seq_rm(self.mem, self.seq, n, -1):  # cannot happen: the rules allow it
-                raise RuntimeError(f"llama.cpp refused a rollback of {r} tokens within n_rs_seq={self.n_rs_seq}")
+                raise GGUFSpecError(f"llama.cpp refused a rollback of {r} tokens within n_rs_seq={self.n_rs_seq}")
             self._reach = 0
             self.counts.snapshots += 1
             return n
@@ -181,7 +183,7 @@ class Rewind:
         data = reuse.data if reuse is not None and reuse.size == size else (ctypes.c_uint8 * size)()
         written = llama_cpp.llama_state_seq_get_data_ext(self.ctx, data, size, self.seq, PARTIAL)
         if written != size:
-            raise RuntimeError(f"llama.cpp wrote {written} of {size} bytes of a recurrent state")
+            raise GGUFSpecError(f"llama.cpp wrote {written} of {size} bytes of a recurrent state (out of memory?)")
         self.seconds += time.perf_counter() - t0
         self.counts.saves += 1
         return Checkpoint(length, data, size)
@@ -189,7 +191,7 @@ class Rewind:
     def _restore(self, cp: Checkpoint) -> None:
         t0 = time.perf_counter()
         if llama_cpp.llama_state_seq_set_data_ext(self.ctx, cp.data, cp.size, self.seq, PARTIAL) != cp.size:
-            raise RuntimeError("llama.cpp could not restore a recurrent state it saved")
+            raise GGUFSpecError("llama.cpp could not restore a recurrent state it saved")
         # the attention layers' cells past the checkpoint (a hybrid's); its recurrent cell is at length - 1 now
         llama_cpp.llama_memory_seq_rm(self.mem, self.seq, cp.length, -1)
         self.seconds += time.perf_counter() - t0
