@@ -30,11 +30,23 @@ from .worker import STALL_SECONDS, Admitted, Job, Worker
 def create_app(worker: Worker, settings: GenerationSettings, model_id: str, limits: Limits,
                api_key: str | None = None) -> Boundary:
     """The ASGI app serving the worker's engine pool, behind the boundary (and CORS when origins are allowed);
-    `settings` are the defaults each request may override. `engine` is slot 0's, for what the slots share (n_ctx
-    is a slot's: the longest prompt plus answer)."""
-    engine = worker.engine
+    `settings` are the defaults each request may override."""
     app = FastAPI(title="ggufspec", docs_url=None, redoc_url=None, openapi_url=None)
-    created = int(time.time())
+    _error_handlers(app)
+    key = _Key(api_key)
+    _open_routes(app, worker, key)
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(key.authorized)])
+    _v1_routes(v1, _Requests(worker, settings, model_id), limits)
+    app.include_router(v1)
+    inner = app if not limits.cors_origins else CORSMiddleware(
+        app, allow_origins=list(limits.cors_origins), allow_methods=["GET", "POST"],
+        allow_headers=["Authorization", "Content-Type"])
+    return Boundary(inner, limits)
+
+
+def _error_handlers(app: FastAPI) -> None:
+    """Every error in OpenAI's shape: ours as they are, HTTP's (404, 405) named, anything else a 500 with a request
+    id, logged once."""
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
@@ -54,26 +66,35 @@ def create_app(worker: Worker, settings: GenerationSettings, model_id: str, limi
         return await _api_error(request, APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
                                                   code=code))
 
-    def has_key(request: Request) -> bool:
+
+class _Key:
+    """--api-key: what /v1, /slots and /openapi.json want; /health stays open, as in llama-server."""
+
+    def __init__(self, api_key: str | None) -> None:
+        self.api_key = api_key
+
+    def given(self, request: Request) -> bool:
         """No --api-key, or the request sends `Authorization: Bearer KEY` (the scheme in any case, RFC 9110)."""
-        if not api_key:
+        if not self.api_key:
             return True
         scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), api_key.encode())
+        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self.api_key.encode())
 
-    def authorized(request: Request) -> None:
-        """With --api-key, /v1, /slots and /openapi.json want the key; /health stays open, as in llama-server."""
-        if not has_key(request):
+    def authorized(self, request: Request) -> None:
+        """A dependency: 401 without the key."""
+        if not self.given(request):
             raise APIError(401, "invalid or missing API key: send Authorization: Bearer KEY", code="invalid_api_key")
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorized)])
+
+def _open_routes(app: FastAPI, worker: Worker, key: _Key) -> None:
+    """/health (open), /openapi.json and /slots (with the key)."""
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
         failure = worker.remote_failure()
         if failure is not None:
             # the details (the servers' addresses, llama.cpp's words) are for clients with the key: /health is open
-            if not has_key(request):
+            if not key.given(request):
                 failure = "the model's RPC servers are unavailable; reconnecting as soon as they answer again"
             return JSONResponse({"status": "error", "error": failure}, status_code=503)
         stalled = worker.stalled_for()
@@ -82,11 +103,11 @@ def create_app(worker: Worker, settings: GenerationSettings, model_id: str, limi
                                 status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/openapi.json", dependencies=[Depends(authorized)], include_in_schema=False)
+    @app.get("/openapi.json", dependencies=[Depends(key.authorized)], include_in_schema=False)
     async def openapi() -> dict[str, Any]:
         return app.openapi()
 
-    @app.get("/slots", dependencies=[Depends(authorized)])
+    @app.get("/slots", dependencies=[Depends(key.authorized)])
     async def slots() -> list[dict[str, Any]]:
         """One entry per slot (--parallel), after llama-server's /slots: id, n_ctx, is_processing, state (idle,
         prompt: rendering and tokenizing, generating), the tokens of its current or last request (n_prompt_tokens,
@@ -94,15 +115,54 @@ def create_app(worker: Worker, settings: GenerationSettings, model_id: str, limi
         shared = {"n_queued": worker.n_queued, "n_completed": worker.n_completed, "n_cancelled": worker.n_cancelled}
         return [{**entry, **shared} for entry in worker.slots()]
 
+
+def _v1_routes(v1: APIRouter, requests: _Requests, limits: Limits) -> None:
+    """/v1/models, /v1/chat/completions and /v1/completions."""
+
     @v1.get("/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created, "owned_by": "ggufspec",
-                                            "meta": {"target": str(engine.target.path), "n_ctx": engine.n_ctx,
-                                                     "parallel": worker.parallel,
-                                                     "draft": str(engine.draft.path) if engine.draft else None,
-                                                     "medusa": engine.medusa is not None}}]}
+        return requests.models()
 
-    def token_limit(body: CommonRequest) -> int | None:
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request):
+        body = parse(await read_json(request, limits.max_body), ChatRequest)
+        messages = [m.as_message() for m in body.messages]
+        return await requests.respond(request, CHAT, body, messages, "messages")
+
+    @v1.post("/completions")
+    async def completions(request: Request):
+        body = parse(await read_json(request, limits.max_body), CompletionRequest)
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise APIError(400, "prompt: one prompt per request (a list of several is not supported)", param="prompt")
+            prompt = prompt[0]
+        if not prompt:
+            raise APIError(400, "prompt: empty", param="prompt")
+        return await requests.respond(request, TEXT, body, prompt, "prompt")
+
+
+class _Requests:
+    """A request's settings and answer: the worker's engine pool generates, with `settings` as the defaults each
+    request may override. `engine` is slot 0's, for what the slots share (n_ctx is a slot's: the longest prompt plus
+    answer)."""
+
+    def __init__(self, worker: Worker, settings: GenerationSettings, model_id: str) -> None:
+        self.worker, self.settings, self.model_id = worker, settings, model_id
+        self.engine = worker.engine
+        self.created = int(time.time())
+
+    def models(self) -> dict[str, Any]:
+        """/v1/models: the one model, under its id, with what it runs."""
+        e = self.engine
+        return {"object": "list", "data": [{"id": self.model_id, "object": "model", "created": self.created,
+                                            "owned_by": "ggufspec",
+                                            "meta": {"target": str(e.target.path), "n_ctx": e.n_ctx,
+                                                     "parallel": self.worker.parallel,
+                                                     "draft": str(e.draft.path) if e.draft else None,
+                                                     "medusa": e.medusa is not None}}]}
+
+    def token_limit(self, body: CommonRequest) -> int | None:
         """The request's max_tokens (max_completion_tokens, or llama-server's n_predict, -1 to the end of the
         context); None: the server's."""
         given = {name: value for name in ("max_completion_tokens", "max_tokens")
@@ -116,10 +176,11 @@ def create_app(worker: Worker, settings: GenerationSettings, model_id: str, limi
             if value != body.n_predict:
                 raise APIError(400, f"n_predict ({body.n_predict}) and {name} ({value}) disagree: send one of them",
                                param="n_predict")
-        return engine.n_ctx if body.n_predict == -1 else body.n_predict
+        return self.engine.n_ctx if body.n_predict == -1 else body.n_predict
 
-    def request_settings(body: CommonRequest) -> GenerationSettings:
-        # `model` is not checked: the one model answers to any name, as in llama-server.
+    def settings_of(self, body: CommonRequest) -> GenerationSettings:
+        """The request's GenerationSettings: its fields over the server's; 400 for a refused field, a bad value or a
+        method this engine cannot run. `model` is not checked: the one model answers to any name, as llama-server."""
         refused = refused_field(body.model_extra or {})
         if refused is not None:
             name, why = refused
@@ -127,11 +188,11 @@ def create_app(worker: Worker, settings: GenerationSettings, model_id: str, limi
             shown = shown if len(shown) <= 60 else shown[:57] + "..."
             raise APIError(400, f"{name}: {shown} is not supported by ggufspec ({why}); it would change the output, "
                                 "so it is refused rather than ignored", param=name, code="unsupported_parameter")
-        max_tokens = token_limit(body)
+        max_tokens = self.token_limit(body)
         stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
         if len(stops) > 16:
             raise APIError(400, "stop: at most 16 stop strings", param="stop")
-        d, sp = settings, settings.sampling
+        d, sp = self.settings, self.settings.sampling
         spec = body.speculative or Speculative()
         try:
             sampling = SamplingParams(
@@ -148,15 +209,17 @@ def create_app(worker: Worker, settings: GenerationSettings, model_id: str, limi
         except ValueError as e:
             raise APIError(400, str(e)) from None
         try:
-            engine.method_for(s)
+            self.engine.method_for(s)
         except GGUFSpecError as e:
             raise APIError(400, str(e), param="speculative") from None
         return s
 
-    async def respond(request: Request, shape: Shape, body: CommonRequest, prompt: Prompt, param: str):
+    async def respond(self, request: Request, shape: Shape, body: CommonRequest, prompt: Prompt, param: str):
+        """The request's job: queued, admitted (its prompt fits) or refused, then answered as one object or a stream;
+        a client that leaves cancels it (499)."""
         note = note_of(request.scope)
-        job = worker.submit(prompt, request_settings(body))
-        watch = asyncio.create_task(_cancel_on_disconnect(request.receive, job, worker))
+        job = self.worker.submit(prompt, self.settings_of(body))
+        watch = asyncio.create_task(_cancel_on_disconnect(request.receive, job, self.worker))
         streaming = False
         try:
             first = await job.events.get()  # the prompt rendered, tokenized and found to fit, or why not
@@ -167,51 +230,31 @@ def create_app(worker: Worker, settings: GenerationSettings, model_id: str, limi
                 raise as_api_error(first, param)
             assert isinstance(first, Admitted)
             note["prompt_tokens"] = first.prompt_tokens
-            ident = f"{shape.prefix}-{uuid.uuid4().hex[:24]}"
-            head = {"id": ident, "created": int(time.time()), "model": model_id}
+            head = {"id": f"{shape.prefix}-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": self.model_id}
             if body.stream:
                 streaming = True  # the watch goes on until the stream has ended, or never started: `sse` stops it
                 usage_chunk = bool(body.stream_options and body.stream_options.include_usage)
                 return StreamingResponse(sse(job, shape, head, usage_chunk, watch, note),
                                          media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            final = await collect(job, param)
-            if final is None:  # the client left; nobody reads this
-                note["left"] = True
-                return JSONResponse({}, status_code=499)
-            result = final.result
-            note["stats"] = result.stats
-            return {**head, "object": shape.object,
-                    "choices": [shape.choice(result.text, FINISH_REASONS[result.stop_reason], delta=False)],
-                    "usage": usage(result.stats), "timings": timings(result.stats)}
+            return await self._answer(job, shape, head, note, param)
         finally:
             if not streaming:
                 watch.cancel()
                 job.cancelled.set()  # no-op after the end; stops the job if this handler was cancelled
 
-    @v1.post("/chat/completions")
-    async def chat_completions(request: Request):
-        body = parse(await read_json(request, limits.max_body), ChatRequest)
-        messages = [m.as_message() for m in body.messages]
-        return await respond(request, CHAT, body, messages, "messages")
-
-    @v1.post("/completions")
-    async def completions(request: Request):
-        body = parse(await read_json(request, limits.max_body), CompletionRequest)
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise APIError(400, "prompt: one prompt per request (a list of several is not supported)", param="prompt")
-            prompt = prompt[0]
-        if not prompt:
-            raise APIError(400, "prompt: empty", param="prompt")
-        return await respond(request, TEXT, body, prompt, "prompt")
-
-    app.include_router(v1)
-    inner = app if not limits.cors_origins else CORSMiddleware(
-        app, allow_origins=list(limits.cors_origins), allow_methods=["GET", "POST"],
-        allow_headers=["Authorization", "Content-Type"])
-    return Boundary(inner, limits)
+    @staticmethod
+    async def _answer(job: Job, shape: Shape, head: dict[str, Any], note: dict[str, Any], param: str):
+        """A request answered as one object, once its job has finished; 499 where its client left."""
+        final = await collect(job, param)
+        if final is None:  # the client left; nobody reads this
+            note["left"] = True
+            return JSONResponse({}, status_code=499)
+        result = final.result
+        note["stats"] = result.stats
+        return {**head, "object": shape.object,
+                "choices": [shape.choice(result.text, FINISH_REASONS[result.stop_reason], delta=False)],
+                "usage": usage(result.stats), "timings": timings(result.stats)}
 
 
 def parse(data: Any, model: type[BaseModel]) -> Any:
