@@ -104,73 +104,18 @@ class _Cursor:
 
 def read_header(path: str | os.PathLike) -> GGUFHeader:
     """Parse and bounds-check a GGUF header and tensor table; raise ModelFileError on any problem."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
     p = Path(path).expanduser()
-    if not p.exists():
-        raise ModelFileError(f"{p}: no such file. Check the path, or run `ggufspec pull` to download a model.")
-    if p.is_dir():
-        raise ModelFileError(f"{p}: is a folder, not a .gguf file.")
-    try:
-        f = open(p, "rb")
-    except OSError as e:
-        raise ModelFileError(f"{p}: cannot be read ({e.strerror}). Check its permissions.") from None
-    with f:
+    with _open(p) as f:
         size = os.fstat(f.fileno()).st_size
         if size < 24:
             raise ModelFileError(f"{p}: {size} bytes is too small for a GGUF file.")
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         try:
             c = _Cursor(buf, p)
-            if c.take(4) != GGUF_MAGIC:
-                raise ModelFileError(
-                    f"{p}: not a GGUF file (it does not start with b'GGUF'). "
-                    "Convert Hugging Face checkpoints with `ggufspec convert hf`."
-                )
-            version = c.scalar("I")
-            if version not in SUPPORTED_VERSIONS:
-                raise ModelFileError(f"{p}: GGUF version {version} is not supported (expected 2 or 3).")
-            n_tensors, n_kv = c.scalar("Q"), c.scalar("Q")
-            if n_tensors > size // 24 or n_kv > size // 12:  # each entry takes at least that many bytes
-                raise ModelFileError(
-                    f"{p}: truncated or damaged GGUF header ({n_tensors:,} tensors and {n_kv:,} keys "
-                    f"cannot fit in {size:,} bytes). Download or convert it again."
-                )
-            metadata: dict[str, object] = {}
-            arrays: set[str] = set()
-            for _ in range(n_kv):
-                key = c.string().decode("utf-8", errors="replace")
-                vtype = c.scalar("I")
-                if vtype == _ARRAY:
-                    arrays.add(key)
-                metadata[key] = c.value(vtype, unique=key == "tokenizer.ggml.tokens")
-            infos = []
-            for _ in range(n_tensors):
-                name = c.string().decode("utf-8", errors="replace")
-                n_dims = c.scalar("I")
-                if not 1 <= n_dims <= MAX_DIMS:
-                    raise ModelFileError(f"{p}: tensor {name!r} has {n_dims} dimensions.")
-                shape = tuple(c.scalar("Q") for _ in range(n_dims))
-                ttype, offset = c.scalar("I"), c.scalar("Q")
-                try:
-                    block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ttype)]
-                except (ValueError, KeyError):
-                    raise ModelFileError(f"{p}: tensor {name!r} has unknown type {ttype}.") from None
-                n = 1
-                for d in shape:
-                    n *= d
-                if n == 0 or shape[0] % block:
-                    raise ModelFileError(f"{p}: tensor {name!r} has an invalid shape {shape} for its type.")
-                infos.append(TensorInfo(name, shape, ttype, offset, n // block * type_size))
-            arch = metadata.get("general.architecture")
-            for key, (lo, hi) in _HPARAM_LIMITS.items():
-                name = f"{arch}.{key}"
-                value = metadata.get(name)
-                top = metadata.get(f"{arch}.{hi}") if isinstance(hi, str) else hi
-                if name in arrays or not isinstance(value, int) or not isinstance(top, int) or f"{arch}.{hi}" in arrays:
-                    continue  # absent, per layer, or bounded by a key that is not a plain number
-                if not lo <= value <= top:
-                    raise ModelFileError(f"{p}: damaged metadata: {name} is {value}, outside {lo}..{top}.")
+            version, n_tensors, n_kv = _preamble(c, p, size)
+            metadata, arrays = _metadata(c, n_kv)
+            infos = [_tensor_info(c, p) for _ in range(n_tensors)]
+            _check_hparams(metadata, arrays, p)
             align = metadata.get("general.alignment", 32)
             if not isinstance(align, int) or align <= 0 or align & (align - 1):
                 raise ModelFileError(f"{p}: invalid general.alignment {align!r}.")
@@ -186,3 +131,81 @@ def read_header(path: str | os.PathLike) -> GGUFHeader:
             )
     return GGUFHeader(version, metadata, tuple(infos), data_start, size)
 
+
+def _open(p: Path):
+    """The file, opened for reading; ModelFileError where it is missing, a folder or unreadable."""
+    if not p.exists():
+        raise ModelFileError(f"{p}: no such file. Check the path, or run `ggufspec pull` to download a model.")
+    if p.is_dir():
+        raise ModelFileError(f"{p}: is a folder, not a .gguf file.")
+    try:
+        return open(p, "rb")
+    except OSError as e:
+        raise ModelFileError(f"{p}: cannot be read ({e.strerror}). Check its permissions.") from None
+
+
+def _preamble(c: _Cursor, p: Path, size: int) -> tuple[int, int, int]:
+    """The magic, the version, and the tensor and key counts (each bounded by what the file's size can hold)."""
+    if c.take(4) != GGUF_MAGIC:
+        raise ModelFileError(
+            f"{p}: not a GGUF file (it does not start with b'GGUF'). "
+            "Convert Hugging Face checkpoints with `ggufspec convert hf`."
+        )
+    version = c.scalar("I")
+    if version not in SUPPORTED_VERSIONS:
+        raise ModelFileError(f"{p}: GGUF version {version} is not supported (expected 2 or 3).")
+    n_tensors, n_kv = c.scalar("Q"), c.scalar("Q")
+    if n_tensors > size // 24 or n_kv > size // 12:  # each entry takes at least that many bytes
+        raise ModelFileError(
+            f"{p}: truncated or damaged GGUF header ({n_tensors:,} tensors and {n_kv:,} keys "
+            f"cannot fit in {size:,} bytes). Download or convert it again."
+        )
+    return version, n_tensors, n_kv
+
+
+def _metadata(c: _Cursor, n_kv: int) -> tuple[dict[str, object], set[str]]:
+    """The n_kv keys and their values, and which of them are arrays."""
+    metadata: dict[str, object] = {}
+    arrays: set[str] = set()
+    for _ in range(n_kv):
+        key = c.string().decode("utf-8", errors="replace")
+        vtype = c.scalar("I")
+        if vtype == _ARRAY:
+            arrays.add(key)
+        metadata[key] = c.value(vtype, unique=key == "tokenizer.ggml.tokens")
+    return metadata, arrays
+
+
+def _tensor_info(c: _Cursor, p: Path) -> TensorInfo:
+    """One entry of the tensor table, its shape and type checked."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    name = c.string().decode("utf-8", errors="replace")
+    n_dims = c.scalar("I")
+    if not 1 <= n_dims <= MAX_DIMS:
+        raise ModelFileError(f"{p}: tensor {name!r} has {n_dims} dimensions.")
+    shape = tuple(c.scalar("Q") for _ in range(n_dims))
+    ttype, offset = c.scalar("I"), c.scalar("Q")
+    try:
+        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ttype)]
+    except (ValueError, KeyError):
+        raise ModelFileError(f"{p}: tensor {name!r} has unknown type {ttype}.") from None
+    n = 1
+    for d in shape:
+        n *= d
+    if n == 0 or shape[0] % block:
+        raise ModelFileError(f"{p}: tensor {name!r} has an invalid shape {shape} for its type.")
+    return TensorInfo(name, shape, ttype, offset, n // block * type_size)
+
+
+def _check_hparams(metadata: dict[str, object], arrays: set[str], p: Path) -> None:
+    """The hyperparameters llama.cpp asserts on within their bounds (_HPARAM_LIMITS)."""
+    arch = metadata.get("general.architecture")
+    for key, (lo, hi) in _HPARAM_LIMITS.items():
+        name = f"{arch}.{key}"
+        value = metadata.get(name)
+        top = metadata.get(f"{arch}.{hi}") if isinstance(hi, str) else hi
+        if name in arrays or not isinstance(value, int) or not isinstance(top, int) or f"{arch}.{hi}" in arrays:
+            continue  # absent, per layer, or bounded by a key that is not a plain number
+        if not lo <= value <= top:
+            raise ModelFileError(f"{p}: damaged metadata: {name} is {value}, outside {lo}..{top}.")
