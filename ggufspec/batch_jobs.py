@@ -21,7 +21,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ import click
 
 from .errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, GGUFSpecError
 from .outputs import remove_quietly, same_file, temp_path
+from .stats import Stats
 
 ID_FIELDS = ("custom_id", "id", "question_id", "task_id")  # the first one present names a JSON line's prompt
 PROMPT_FIELDS = ("messages", "turns", "prompt")
@@ -280,6 +281,13 @@ class Outcome:
     seconds: float = 0.0  # generating: from the first prompt sent to the slots to the last line written
     wall_seconds: float = 0.0  # the whole run: reading the prompts, loading the models, measuring costs, generating
 
+    def add(self, stats: Stats) -> None:
+        """A finished prompt's tokens, passes and drafts."""
+        self.completion_tokens += stats.generated_tokens
+        self.target_passes += stats.target_passes
+        self.drafted += stats.drafted
+        self.accepted += stats.accepted
+
 
 def duration(seconds: float) -> str:
     """A span of time as a person reads it: 19.9 s, 2 min 17 s, 1 h 05 min."""
@@ -312,19 +320,10 @@ def run_batch(*, batch_path: str, output: str, parallel: int, chat: bool, raw: b
     source = Path(batch_path)
     prompts = read_prompts(source)  # bad input fails before any model loads
     out = check_output(output, source)
-    done, partial, errors = read_done(out, prompts)
-    todo = [p for p in prompts if p.index not in done]
-    if done or partial or errors:
-        notes = [f"{len(done)} of {len(prompts)} prompts already done in {out}"]
-        if partial:
-            notes.append("an unfinished last line dropped")
-        if errors:
-            notes.append(f"{errors} failed prompt{'s' * (errors != 1)} to try again")
-        click.echo(f"resuming: {'; '.join(notes)}", err=True)
+    done, todo = _resume(prompts, out)
     if not todo:
         click.echo(f"all {len(prompts)} prompts are done in {out}", err=True)
         return 0
-
     pool, settings = load_engine(params, parallel=parallel, truncate_prompt=truncate_prompt,
                                  context_shift=context_shift)
     with pool:
@@ -336,45 +335,19 @@ def run_batch(*, batch_path: str, output: str, parallel: int, chat: bool, raw: b
                                 "(tokenizer.chat_template): give text prompts, without --chat or --system.")
         click.echo(f"batch: {len(todo)} prompt{'s' * (len(todo) != 1)} from {source}, {pool.parallel} at once "
                    f"({engine.describe(settings)}) -> {out}", err=True)
-        outcome = Outcome()
         stream = pool.stream_many([engine_prompt(p, templated, system) for p in todo], settings)
-        t0 = time.perf_counter()
+        outcome = Outcome()
         try:
-            with open(out, "a", encoding="utf-8") as f, \
-                    click.progressbar(length=len(todo), label="generating", file=sys.stderr) as bar:
-                for k, r in stream:
-                    p = todo[k]
-                    if isinstance(r, BaseException):
-                        line = error_line(p, r)
-                        outcome.failed.append((p, r))
-                    elif r.finish_reason is None:
-                        continue
-                    else:
-                        line = result_line(p, r.result)
-                        s = r.result.stats
-                        outcome.completion_tokens += s.generated_tokens
-                        outcome.target_passes += s.target_passes
-                        outcome.drafted += s.drafted
-                        outcome.accepted += s.accepted
-                    f.write(json.dumps(line, ensure_ascii=False) + "\n")
-                    f.flush()
-                    outcome.written += 1
-                    bar.update(1)
+            _write_results(stream, todo, out, outcome)
         except KeyboardInterrupt:
-            stream.close()  # every slot stops at its next token
             finished = len(done) + outcome.written - len(outcome.failed)
             click.echo(f"interrupted: {finished} of {len(prompts)} prompts done, kept in {out}; run the same "
                        "command again to generate the rest.", err=True)
             return EXIT_INTERRUPTED
-        except OSError as e:
-            raise GGUFSpecError(f"-o {out}: cannot write the results: {e.strerror or e} (the lines written so far "
-                                "are kept; run the same command again to resume)") from None
         finally:
-            stream.close()
-        outcome.seconds = time.perf_counter() - t0
+            stream.close()  # every slot stops at its next token
     outcome.wall_seconds = time.perf_counter() - started
-    summary = _summary(outcome, out, len(done), len(prompts), show_stats)
-    click.echo(summary, err=True)
+    click.echo(_summary(outcome, out, len(done), len(prompts), show_stats), err=True)
     if outcome.failed:
         p, e = outcome.failed[0]
         n = len(outcome.failed)
@@ -382,3 +355,43 @@ def run_batch(*, batch_path: str, output: str, parallel: int, chat: bool, raw: b
                    f"Their lines in {out} carry the error; run the same command again to retry them.", err=True)
         return EXIT_BAD_INPUT
     return 0
+
+
+def _resume(prompts: list[BatchPrompt], out: Path) -> tuple[set[int], list[BatchPrompt]]:
+    """The prompts OUT already holds results of (said on stderr) and those left to generate."""
+    done, partial, errors = read_done(out, prompts)
+    if done or partial or errors:
+        notes = [f"{len(done)} of {len(prompts)} prompts already done in {out}"]
+        if partial:
+            notes.append("an unfinished last line dropped")
+        if errors:
+            notes.append(f"{errors} failed prompt{'s' * (errors != 1)} to try again")
+        click.echo(f"resuming: {'; '.join(notes)}", err=True)
+    return done, [p for p in prompts if p.index not in done]
+
+
+def _write_results(stream: Iterator, todo: list[BatchPrompt], out: Path, outcome: Outcome) -> None:
+    """Each prompt's result line appended to `out` as it finishes (flushed), counted in `outcome` (what an
+    interruption leaves is counted too); a progress bar on stderr."""
+    t0 = time.perf_counter()
+    try:
+        with open(out, "a", encoding="utf-8") as f, \
+                click.progressbar(length=len(todo), label="generating", file=sys.stderr) as bar:
+            for k, r in stream:
+                p = todo[k]
+                if isinstance(r, BaseException):
+                    line = error_line(p, r)
+                    outcome.failed.append((p, r))
+                elif r.finish_reason is None:
+                    continue
+                else:
+                    line = result_line(p, r.result)
+                    outcome.add(r.result.stats)
+                f.write(json.dumps(line, ensure_ascii=False) + "\n")
+                f.flush()
+                outcome.written += 1
+                bar.update(1)
+    except OSError as e:
+        raise GGUFSpecError(f"-o {out}: cannot write the results: {e.strerror or e} (the lines written so far "
+                            "are kept; run the same command again to resume)") from None
+    outcome.seconds = time.perf_counter() - t0
