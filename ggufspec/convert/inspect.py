@@ -86,18 +86,14 @@ def inspect_gguf(path: Path) -> GGUFSummary:
         raise ModelFileError(f"{path}: not a readable GGUF file ({e})") from e
     arch = str(_field(r, "general.architecture", "?"))
     groups: dict[str, Counter] = defaultdict(Counter)
-    n_params = 0
-    weight_bytes = 0
     for t in r.tensors:
         groups[_group(t.name)][t.tensor_type.name] += 1
-        n_params += int(t.n_elements)
-        weight_bytes += int(t.n_bytes)
     all_types = Counter()
     for c in groups.values():
         all_types.update(c)
     s = GGUFSummary(
         path=path, file_bytes=path.stat().st_size, architecture=arch, name=str(_field(r, "general.name", "")),
-        n_params=n_params, weight_bytes=weight_bytes,
+        n_params=sum(int(t.n_elements) for t in r.tensors), weight_bytes=sum(int(t.n_bytes) for t in r.tensors),
         file_type=", ".join(f"{k} x{v}" for k, v in all_types.most_common()),
         tensor_groups={g: dict(c) for g, c in sorted(groups.items())},
     )
@@ -108,6 +104,16 @@ def inspect_gguf(path: Path) -> GGUFSummary:
             "vocab size": _field(r, medusa.KEY_VOCAB_SIZE), "base model": _field(r, medusa.KEY_BASE_MODEL, ""),
         }
         return s
+    s.hparams = _hparams(r, arch)
+    s.context_length = _field(r, f"{arch}.context_length")
+    s.header = header
+    s.tokenizer = _tokenizer(r) or {}
+    s.chat_template = r.get_field("tokenizer.chat_template") is not None
+    return s
+
+
+def _hparams(r: GGUFReader, arch: str) -> dict[str, Any]:
+    """The architecture's main hyperparameters, as inspect prints them."""
 
     def hp(key: str) -> Any:
         return _field(r, f"{arch}.{key}")
@@ -115,32 +121,34 @@ def inspect_gguf(path: Path) -> GGUFSummary:
     n_layer, n_embd, n_head = hp("block_count"), hp("embedding_length"), hp("attention.head_count")
     n_kv = hp("attention.head_count_kv") or n_head
     head_dim = hp("attention.key_length") or (n_embd // n_head if n_embd and n_head else None)
-    s.hparams = {
+    rope_freqs = any(t.name == "rope_freqs.weight" for t in r.tensors)
+    return {
         "layers": n_layer, "embedding": n_embd, "feed forward": hp("feed_forward_length"), "heads": n_head,
         "kv heads": n_kv, "head dim": head_dim, "rope base": hp("rope.freq_base"),
-        "rope scaling": hp("rope.scaling.type") or ("llama3 (rope_freqs)" if any(t.name == "rope_freqs.weight" for t in r.tensors) else None),
+        "rope scaling": hp("rope.scaling.type") or ("llama3 (rope_freqs)" if rope_freqs else None),
     }
-    s.context_length = hp("context_length")
-    s.header = header
+
+
+def _tokenizer(r: GGUFReader) -> dict[str, Any] | None:
+    """The tokenizer's model, size and special tokens (None: the file has no vocabulary)."""
     n_tokens = _array_len(r, "tokenizer.ggml.tokens")
-    if n_tokens:
-        tok = r.get_field("tokenizer.ggml.tokens")
+    if not n_tokens:
+        return None
+    tok = r.get_field("tokenizer.ggml.tokens")
 
-        def text(i: Any) -> str | None:
-            if i is None or not 0 <= int(i) < n_tokens:
-                return None
-            return bytes(tok.parts[tok.data[int(i)]]).decode("utf-8", "replace")
+    def text(i: Any) -> str | None:
+        if i is None or not 0 <= int(i) < n_tokens:
+            return None
+        return bytes(tok.parts[tok.data[int(i)]]).decode("utf-8", "replace")
 
-        bos, eos = _field(r, "tokenizer.ggml.bos_token_id"), _field(r, "tokenizer.ggml.eos_token_id")
-        s.tokenizer = {
-            "model": _field(r, "tokenizer.ggml.model"), "pre": _field(r, "tokenizer.ggml.pre"), "tokens": n_tokens,
-            "merges": _array_len(r, "tokenizer.ggml.merges"),
-            "bos": f"{bos} {text(bos)!r}" if bos is not None else None,
-            "eos": f"{eos} {text(eos)!r}" if eos is not None else None,
-            "add_bos": _field(r, "tokenizer.ggml.add_bos_token"),
-        }
-    s.chat_template = r.get_field("tokenizer.chat_template") is not None
-    return s
+    bos, eos = _field(r, "tokenizer.ggml.bos_token_id"), _field(r, "tokenizer.ggml.eos_token_id")
+    return {
+        "model": _field(r, "tokenizer.ggml.model"), "pre": _field(r, "tokenizer.ggml.pre"), "tokens": n_tokens,
+        "merges": _array_len(r, "tokenizer.ggml.merges"),
+        "bos": f"{bos} {text(bos)!r}" if bos is not None else None,
+        "eos": f"{eos} {text(eos)!r}" if eos is not None else None,
+        "add_bos": _field(r, "tokenizer.ggml.add_bos_token"),
+    }
 
 
 def _size(n: float) -> str:
