@@ -102,12 +102,25 @@ def convert_medusa(
     weights, cfg = find_source(src)
     refs = open_tensor_file(weights)
     heads, layers, parts = _layout(weights, refs)
-    warnings: list[str] = []
-
     lm_heads = {k[0]: r for k, r in parts.items() if k[2] == "weight"}
     version = 1 if lm_heads else 2
     if lm_heads and (set(lm_heads) != set(range(heads)) or any(k[1] != layers for k, _ in parts.items() if k[2] == "weight")):
         raise ConversionError(f"{weights}: LM-head tensors {{i}}.{layers}.weight are missing for some heads or misplaced")
+    warnings = _config_disagrees(cfg, version, heads, layers)
+    hidden = parts[(0, 0, "linear.weight")].shape[0] if layers else lm_heads[0].shape[1]
+    vocab = lm_heads[0].shape[0] if lm_heads else int(vocab_size or cfg.get("vocab_size") or 0)
+    choices = _choices(src, cfg, heads)
+    base = base_model or cfg.get("base_model_name_or_path") or cfg.get("base_model") or ""
+    meta = MedusaMeta(version, heads, layers, hidden, vocab, base, choices, name=Path(src).resolve().name)
+    source = _sources(meta, parts, weights)
+    done = None if progress is None else (lambda spec: progress(source[spec].nbytes))
+    warnings += write_medusa_gguf(Path(out), meta, lambda spec: source[spec].load(), outtype, done)
+    return MedusaReport(Path(out), version, heads, layers, hidden, vocab, warnings, time.perf_counter() - start)
+
+
+def _config_disagrees(cfg: dict, version: int, heads: int, layers: int) -> list[str]:
+    """Warnings for what config.json misstates about the weights (which are used)."""
+    warnings = []
     if str(cfg.get("version", version)) != str(version):
         warnings.append(f"config.json says version {cfg.get('version')}, the tensors are a version {version} head set")
     cfg_heads = cfg.get("medusa_num_heads")
@@ -116,9 +129,11 @@ def convert_medusa(
     cfg_layers = cfg.get("medusa_num_layers")
     if cfg_layers is not None and int(cfg_layers) != layers:
         warnings.append(f"config.json says medusa_num_layers={cfg_layers}; the weights hold {layers} per head (used)")
+    return warnings
 
-    hidden = parts[(0, 0, "linear.weight")].shape[0] if layers else lm_heads[0].shape[1]
-    vocab = lm_heads[0].shape[0] if lm_heads else int(vocab_size or cfg.get("vocab_size") or 0)
+
+def _choices(src: Path, cfg: dict, heads: int) -> list | None:
+    """config.json's medusa_choices, checked to be a tree no deeper than the heads; None where it has none."""
     choices = cfg.get("medusa_choices")
     if choices is not None:
         try:
@@ -127,10 +142,11 @@ def convert_medusa(
             raise ConversionError(f"{src}: config.json's medusa_choices is not a tree ({e})") from None
         if tree.n_heads > heads:
             raise ConversionError(f"{src}: config.json's medusa_choices is {tree.n_heads} deep; there are {heads} heads")
-    base = base_model or cfg.get("base_model_name_or_path") or cfg.get("base_model") or ""
-    meta = MedusaMeta(version, heads, layers, hidden, vocab, base, choices, name=Path(src).resolve().name)
+    return choices
 
-    # every tensor the layout needs, from the checkpoint, its shape checked before anything is written
+
+def _sources(meta: MedusaMeta, parts: dict, weights: Path) -> dict[TensorSpec, TensorRef]:
+    """Every tensor the layout needs, from the checkpoint, its shape checked before anything is written."""
     source: dict[TensorSpec, TensorRef] = {}
     for spec in tensor_layout(meta):
         kind = {MedusaTensor.RES_WEIGHT: "linear.weight", MedusaTensor.RES_BIAS: "linear.bias"}.get(spec.kind, "weight")
@@ -138,7 +154,4 @@ def convert_medusa(
         if tuple(ref.shape) != spec.shape:
             raise ConversionError(f"{weights}: tensor {ref.name!r} has shape {list(ref.shape)}, expected {list(spec.shape)}")
         source[spec] = ref
-
-    done = None if progress is None else (lambda spec: progress(source[spec].nbytes))
-    warnings += write_medusa_gguf(Path(out), meta, lambda spec: source[spec].load(), outtype, done)
-    return MedusaReport(Path(out), version, heads, layers, hidden, vocab, warnings, time.perf_counter() - start)
+    return source
