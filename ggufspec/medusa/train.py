@@ -265,8 +265,7 @@ def train_heads(
     minutes instead of hours on a CPU. Accuracy is measured through the full LM head.
     """
     rng = np.random.default_rng(cfg.seed)
-    hid = data.hidden
-    n, hidden, k = len(data.rows), hid.shape[1], data.labels.shape[1]
+    n, hidden, k = len(data.rows), data.hidden.shape[1], data.labels.shape[1]
     valid, train = _split(data, held_out_size(n, cfg), rng)
     valid = valid[: cfg.valid_samples]
     w = np.zeros((k * hidden, hidden), dtype=np.float32)  # all heads' ResBlocks stacked: one matmul
@@ -276,20 +275,6 @@ def train_heads(
     opt = _Adam([w, b], cfg.lr, cfg.weight_decay)
     history: dict[str, list[float]] = {"loss": [], **{f"top1_head{i}": [] for i in range(k)}}
     t0 = time.perf_counter()
-
-    def forward(xb: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Pre-activations z, their sigmoid and the heads' outputs [B, k, H], for the backward pass."""
-        pre: list[np.ndarray] = []
-        out = stacked(xb, pre)
-        z = pre[0]
-        return z, 1.0 / (1.0 + np.exp(-z)), out
-
-    def accuracy(idx: np.ndarray) -> list[float]:
-        out = stacked(hid[data.rows[idx]].astype(np.float32))
-        y = data.labels[idx]
-        pred = np.stack([(out[:, i] @ lm_head.T).argmax(-1) for i in range(k)], axis=1)
-        return (((pred == y) & (y >= 0)).sum(0) / np.maximum((y >= 0).sum(0), 1)).tolist()
-
     counts = np.bincount(data.labels[data.labels >= 0], minlength=lm_head.shape[0])
     frequent = np.argsort(-counts)[: cfg.negatives]
     steps_per_epoch = max(1, len(train) // cfg.batch)
@@ -298,45 +283,14 @@ def train_heads(
         running = []
         for step in range(steps_per_epoch):
             idx = train[step * cfg.batch : (step + 1) * cfg.batch]
-            xb = hid[data.rows[idx]].astype(np.float32)
-            yb = data.labels[idx]
-            mask = yb >= 0
-            soft = data.soft_ids[idx] if data.soft_ids is not None else np.zeros((*yb.shape, 0), np.int32)
-            labels = np.where(mask, yb, yb[mask][0]).ravel()
-            vocab, inverse = np.unique(np.concatenate([labels, soft.ravel(), frequent]), return_inverse=True)
-            y_sub = inverse[: yb.size].reshape(yb.shape)
-            lm_c = lm_head[vocab]  # [C, H]
-            z, s, out = forward(xb)
-            logits = (out.reshape(-1, hidden) @ lm_c.T).reshape(len(xb), k, -1)  # [B, k, C], one 2-D product
-            logits -= logits.max(-1, keepdims=True)
-            p = np.exp(logits)
-            p /= p.sum(-1, keepdims=True)
-            r, c = np.nonzero(mask)
-            count = max(1, int(mask.sum()))
-            # what to predict: the label; with soft labels, the label at 1 - soft_weight and the
-            # target's top-K distribution at soft_weight
-            top_k = soft.shape[-1]
-            want = np.zeros_like(p)
-            want[r, c, y_sub[r, c]] = 1.0 - cfg.soft_weight if top_k else 1.0
-            if top_k:
-                t = data.soft_logits[idx].astype(np.float32)
-                t = np.exp(t - t.max(-1, keepdims=True))
-                t /= t.sum(-1, keepdims=True)
-                s_sub = inverse[yb.size : yb.size + soft.size].reshape(soft.shape)
-                np.add.at(want, (np.repeat(r, top_k), np.repeat(c, top_k), s_sub[r, c].ravel()),
-                          cfg.soft_weight * t[r, c].ravel())
-            loss = float(-(want * np.log(p + 1e-12)).sum() / count)
-            p -= want
-            p *= (mask / count)[:, :, None]
-            dz = (p.reshape(-1, p.shape[-1]) @ lm_c).reshape(z.shape) * (s * (1.0 + z * (1.0 - s)))  # d/dz of z*sigmoid(z)
-            dz = dz.reshape(len(xb), k * hidden)
-            opt.step([dz.T @ xb, dz.sum(0)])
+            loss, grads = _loss_and_grads(stacked, data, idx, lm_head, frequent, cfg)
+            opt.step(grads)
             running.append(loss)
             if progress:
                 rate = (epoch * steps_per_epoch + step + 1) * cfg.batch / (time.perf_counter() - t0)
                 progress(f"epoch {epoch + 1}/{cfg.epochs} step {step + 1}/{steps_per_epoch} "
                          f"loss {np.mean(running[-20:]):.4f} ({rate:.0f} samples/s)")
-        acc = accuracy(valid)
+        acc = _accuracy(stacked, data, lm_head, valid)
         history["loss"].append(float(np.mean(running)))
         for i, a in enumerate(acc):
             history[f"top1_head{i}"].append(a)
@@ -345,3 +299,55 @@ def train_heads(
                      + " ".join(f"{a:.1%}" for a in acc))
     blocks = [[(w[i * hidden : (i + 1) * hidden].copy(), b[i * hidden : (i + 1) * hidden].copy())] for i in range(k)]
     return blocks, history
+
+
+def _accuracy(stacked: ResBlocks, data: Pairs, lm_head: np.ndarray, idx: np.ndarray) -> list[float]:
+    """Top-1 accuracy of each head on the samples `idx`, through the full LM head."""
+    k = data.labels.shape[1]
+    out = stacked(data.hidden[data.rows[idx]].astype(np.float32))
+    y = data.labels[idx]
+    pred = np.stack([(out[:, i] @ lm_head.T).argmax(-1) for i in range(k)], axis=1)
+    return (((pred == y) & (y >= 0)).sum(0) / np.maximum((y >= 0).sum(0), 1)).tolist()
+
+
+def _loss_and_grads(stacked: ResBlocks, data: Pairs, idx: np.ndarray, lm_head: np.ndarray, frequent: np.ndarray,
+                    cfg: TrainConfig) -> tuple[float, list[np.ndarray]]:
+    """One batch's loss and the gradients of the stacked ResBlocks' weights and biases: cross-entropy through the
+    frozen LM head over the batch's labels, soft-label tokens and the `frequent` ones (train_heads)."""
+    hidden, k = data.hidden.shape[1], data.labels.shape[1]
+    xb = data.hidden[data.rows[idx]].astype(np.float32)
+    yb = data.labels[idx]
+    mask = yb >= 0
+    soft = data.soft_ids[idx] if data.soft_ids is not None else np.zeros((*yb.shape, 0), np.int32)
+    labels = np.where(mask, yb, yb[mask][0]).ravel()
+    vocab, inverse = np.unique(np.concatenate([labels, soft.ravel(), frequent]), return_inverse=True)
+    y_sub = inverse[: yb.size].reshape(yb.shape)
+    lm_c = lm_head[vocab]  # [C, H]
+    pre: list[np.ndarray] = []
+    out = stacked(xb, pre)  # the heads' outputs [B, k, H]; pre: their pre-activations z, for the backward pass
+    z = pre[0]
+    s = 1.0 / (1.0 + np.exp(-z))
+    logits = (out.reshape(-1, hidden) @ lm_c.T).reshape(len(xb), k, -1)  # [B, k, C], one 2-D product
+    logits -= logits.max(-1, keepdims=True)
+    p = np.exp(logits)
+    p /= p.sum(-1, keepdims=True)
+    r, c = np.nonzero(mask)
+    count = max(1, int(mask.sum()))
+    # what to predict: the label; with soft labels, the label at 1 - soft_weight and the
+    # target's top-K distribution at soft_weight
+    top_k = soft.shape[-1]
+    want = np.zeros_like(p)
+    want[r, c, y_sub[r, c]] = 1.0 - cfg.soft_weight if top_k else 1.0
+    if top_k:
+        t = data.soft_logits[idx].astype(np.float32)
+        t = np.exp(t - t.max(-1, keepdims=True))
+        t /= t.sum(-1, keepdims=True)
+        s_sub = inverse[yb.size : yb.size + soft.size].reshape(soft.shape)
+        np.add.at(want, (np.repeat(r, top_k), np.repeat(c, top_k), s_sub[r, c].ravel()),
+                  cfg.soft_weight * t[r, c].ravel())
+    loss = float(-(want * np.log(p + 1e-12)).sum() / count)
+    p -= want
+    p *= (mask / count)[:, :, None]
+    dz = (p.reshape(-1, p.shape[-1]) @ lm_c).reshape(z.shape) * (s * (1.0 + z * (1.0 - s)))  # d/dz of z*sigmoid(z)
+    dz = dz.reshape(len(xb), k * hidden)
+    return loss, [dz.T @ xb, dz.sum(0)]
