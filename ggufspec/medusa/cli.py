@@ -53,40 +53,14 @@ def train_cmd(target: Path, out: Path, prompts: Path | None, text_file: Path | N
     # before hours of work, not after, and before importing llama.cpp
     _refuse_clobbering(out, checkpoint_dir, [target, prompts, text_file, data_cache])
 
-    from ..trees import DEFAULT_TREE, TREES
     from .checkpoint import save_checkpoint
-    from .fit import fit_heads_tree, tree_accepted
     from .format import HeadSet, write_heads
-    from .heads import Heads, MedusaHeads, target_lm_head
-    from .train import (
-        Corpus, TrainConfig, chat_tokens, collect_generations, collect_text, held_out, open_for_collection,
-        read_prompts, train_heads, training_pairs,
-    )
+    from .heads import target_lm_head
+    from .train import TrainConfig, train_heads, training_pairs
 
     say = _printer()
     start = time.perf_counter()
-    if data_cache is not None and data_cache.exists():
-        corpus = Corpus.load(data_cache)
-        say(f"loaded {corpus.n_tokens} tokens of hidden states from {data_cache}", force=True)
-    else:
-        if prompts is None and text_file is None:
-            raise click.UsageError("give --prompts and/or --text (or an existing --data cache).")
-        texts = read_prompts(prompts) if prompts else []
-        max_len = max_new + 2
-        d = open_for_collection(target, parallel, max_len + 1024, threads)
-        try:
-            corpus = Corpus([], [])
-            if texts:
-                ids = [(d.vocab.tokenize(p) if no_chat else chat_tokens(d, p))[-1024:] for p in texts]
-                corpus = collect_generations(d, ids, max_new, parallel, say)
-            if text_file:
-                more = collect_text(d, [text_file.read_text(encoding="utf-8")], 512, say)
-                corpus = Corpus(corpus.tokens + more.tokens, corpus.hidden + more.hidden)
-        finally:
-            d.close()
-        say(f"collected {corpus.n_tokens} tokens in {time.perf_counter() - start:.0f} s", force=True)
-        if data_cache is not None:
-            corpus.save(data_cache)
+    corpus = _corpus(target, prompts, text_file, data_cache, max_new, parallel, no_chat, threads, say)
     lm = target_lm_head(target)
     data = training_pairs(corpus, heads)
     if data.hidden.shape[1] != lm.shape[1]:
@@ -95,17 +69,7 @@ def train_cmd(target: Path, out: Path, prompts: Path | None, text_file: Path | N
     t_train = time.perf_counter()
     cfg = TrainConfig(heads, epochs, batch, lr, weight_decay, soft_weight=soft_weight)
     blocks, history = train_heads(data, lm, cfg, say)
-    choices = None
-    if tree_nodes:
-        trained = Heads(MedusaHeads(2, lm.shape[1], lm.shape[0], "", blocks, None), lm)
-        choices, fitted, ranks = fit_heads_tree(trained, data, held_out(data, cfg), tree_nodes)
-        if choices:
-            say(f"tree: {len(choices)} nodes fitted on {len(ranks)} held-out positions, ~{1 + fitted:.2f} tokens per pass "
-                f"there ({DEFAULT_TREE}: ~{1 + tree_accepted(ranks, TREES[DEFAULT_TREE]):.2f})", force=True)
-        else:
-            choices = None
-            say(f"tree: the heads ranked no held-out token high enough ({len(ranks)} positions); none stored, "
-                f"generate will use {DEFAULT_TREE}", force=True)
+    choices = _fitted_tree(blocks, lm, data, cfg, tree_nodes, say) if tree_nodes else None
     lm_heads = [lm] * heads if own_lm_head else None
     trained_set = HeadSet(1 if own_lm_head else 2, lm.shape[1], lm.shape[0], target.name, blocks, lm_heads, choices,
                           name=out.stem)
@@ -117,6 +81,56 @@ def train_cmd(target: Path, out: Path, prompts: Path | None, text_file: Path | N
     click.echo(f"wrote {out}: {heads} heads (v{trained_set.version}), validation top-1 per head {tops}; "
                f"training {time.perf_counter() - t_train:.0f} s, total {time.perf_counter() - start:.0f} s"
                + (f"; checkpoint in {checkpoint_dir}" if checkpoint_dir is not None else ""))
+
+
+def _corpus(target: Path, prompts: Path | None, text_file: Path | None, data_cache: Path | None, max_new: int,
+            parallel: int, no_chat: bool, threads: int | None, say):
+    """The target's hidden states to train on: from --data where it exists, else collected from its answers to
+    --prompts and/or its reading of --text (and saved to --data when given)."""
+    from .train import Corpus, chat_tokens, collect_generations, collect_text, open_for_collection, read_prompts
+
+    if data_cache is not None and data_cache.exists():
+        corpus = Corpus.load(data_cache)
+        say(f"loaded {corpus.n_tokens} tokens of hidden states from {data_cache}", force=True)
+        return corpus
+    if prompts is None and text_file is None:
+        raise click.UsageError("give --prompts and/or --text (or an existing --data cache).")
+    start = time.perf_counter()
+    texts = read_prompts(prompts) if prompts else []
+    d = open_for_collection(target, parallel, max_new + 2 + 1024, threads)
+    try:
+        corpus = Corpus([], [])
+        if texts:
+            ids = [(d.vocab.tokenize(p) if no_chat else chat_tokens(d, p))[-1024:] for p in texts]
+            corpus = collect_generations(d, ids, max_new, parallel, say)
+        if text_file:
+            more = collect_text(d, [text_file.read_text(encoding="utf-8")], 512, say)
+            corpus = Corpus(corpus.tokens + more.tokens, corpus.hidden + more.hidden)
+    finally:
+        d.close()
+    say(f"collected {corpus.n_tokens} tokens in {time.perf_counter() - start:.0f} s", force=True)
+    if data_cache is not None:
+        corpus.save(data_cache)
+    return corpus
+
+
+def _fitted_tree(blocks, lm, data, cfg, tree_nodes: int, say) -> list | None:
+    """A tree of `tree_nodes` nodes fitted to the trained heads on the held-out positions; None where they ranked
+    no held-out token high enough (generate then uses the default tree)."""
+    from ..trees import DEFAULT_TREE, TREES
+    from .fit import fit_heads_tree, tree_accepted
+    from .heads import Heads, MedusaHeads
+    from .train import held_out
+
+    trained = Heads(MedusaHeads(2, lm.shape[1], lm.shape[0], "", blocks, None), lm)
+    choices, fitted, ranks = fit_heads_tree(trained, data, held_out(data, cfg), tree_nodes)
+    if choices:
+        say(f"tree: {len(choices)} nodes fitted on {len(ranks)} held-out positions, ~{1 + fitted:.2f} tokens per pass "
+            f"there ({DEFAULT_TREE}: ~{1 + tree_accepted(ranks, TREES[DEFAULT_TREE]):.2f})", force=True)
+        return choices
+    say(f"tree: the heads ranked no held-out token high enough ({len(ranks)} positions); none stored, "
+        f"generate will use {DEFAULT_TREE}", force=True)
+    return None
 
 
 @medusa.command("tree")
