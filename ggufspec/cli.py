@@ -115,12 +115,12 @@ def _answer_length(default: int | None) -> Settings:
 #: llama.cpp's --spec-type names (common/speculative.cpp) and the method that drafts so here; a list naming both a
 #: draft model and n-grams is `auto`, which drafts from both where that pays.
 SPEC_TYPES: Mapping[str, str] = {
-    "none": "autoregressive", "draft-simple": "vanilla",
+    "none": "autoregressive", "draft-simple": "vanilla", "draft-mtp": "mtp",
     **dict.fromkeys(("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache"), "lookup"),
 }
 #: ... and the ones with no counterpart here: what each drafts with
 SPEC_TYPES_ELSEWHERE: Mapping[str, str] = {
-    "draft-eagle3": "EAGLE-3 heads", "draft-mtp": "a model's multi-token-prediction layers",
+    "draft-eagle3": "EAGLE-3 heads",
     "draft-dflash": "DFlash drafts", "draft-dspark": "DSpark drafts",
 }
 
@@ -135,8 +135,8 @@ class SpecType(click.ParamType):
         for n in names:
             if n in SPEC_TYPES_ELSEWHERE:
                 self.fail(f"{n}: ggufspec does not draft with {SPEC_TYPES_ELSEWHERE[n]}; use a draft model (-md "
-                          "DRAFT.gguf, draft-simple), n-grams (ngram-mod) or Medusa heads (--method medusa --medusa "
-                          "HEADS.gguf)", param, ctx)
+                          "DRAFT.gguf, draft-simple), n-grams (ngram-mod), the model's MTP head (draft-mtp) or Medusa "
+                          "heads (--method medusa --medusa HEADS.gguf)", param, ctx)
             if n not in SPEC_TYPES:
                 self.fail(f"{n!r} is none of llama.cpp's types that ggufspec runs: {', '.join(SPEC_TYPES)}", param, ctx)
         if not names:
@@ -287,7 +287,7 @@ OPTIONS: tuple[Option, ...] = (
            per={"generate": dict(help=f"{methods_help()}. Default: auto with a draft or --medusa, else autoregressive.")}),
     option("--spec-type", "spec_type", serves=GENERATION, type=SpecType(), default=None,
            help="llama.cpp's speculative types, as the method that drafts so here: ngram-* is lookup, draft-simple "
-                "vanilla, both (a comma list) auto, none autoregressive."),
+                "vanilla, draft-mtp mtp, several (a comma list) auto, none autoregressive."),
     option("--method", "methods", serves={"bench"}, multiple=True, type=click.Choice(list(METHODS)),
            help="Methods to compare (repeatable; default: autoregressive, vanilla with a draft, medusa with --medusa "
                 "heads, and auto; without either: autoregressive and auto, which is prompt lookup where it pays)."),

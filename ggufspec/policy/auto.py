@@ -240,8 +240,8 @@ class AutoPolicy:
             by = ", ".join(f"{SOURCE_NAMES.get(s, s)} {n}" for s, n in sorted(drafted.items(), key=lambda x: -x[1]))
             parts.append(f"drafted on {sum(drafted.values())} of {sum(self.steps.values())} passes ({by})")
         off = [(name, record) for name, record, _ in self.models() if name not in drafted]
-        if len(off) == 1 and not drafted:
-            parts.append(f"speculation off: {self._why_off(off[0][1])}")
+        if len(off) == 1 and not drafted:  # the draft model's as it always said it; the MTP head's named
+            parts.append(f"speculation off: {'the MTP head: ' * (off[0][0] == 'mtp')}{self._why_off(off[0][1])}")
         elif off:
             whys = "; ".join(f"{MODEL_NAMES[name]}: {self._why_off(record)}" for name, record in off)
             parts.append(f"speculation off: {whys}" if not drafted else
