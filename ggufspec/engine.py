@@ -143,11 +143,15 @@ class SpeculativeEngine:
         options = cls.check_files(target_path, draft_path, options, medusa_path, medusa_vocab)
         options = with_mtp(target_path, options, settings or GenerationSettings())
         target, draft = cls.open_models(target_path, draft_path, options)
+        head = None
         try:
-            engine = cls(target, draft, settings, costs, open_mtp(target))
+            head = open_mtp(target)
+            engine = cls(target, draft, settings, costs, head)
             engine.load_heads(medusa_path, medusa_vocab)
             return engine
         except BaseException:
+            if head is not None:
+                head.close()
             target.close()
             if draft is not None:
                 draft.close()
@@ -449,7 +453,8 @@ def with_snapshots(options: DecoderOptions, settings: GenerationSettings) -> Dec
 def with_mtp(target_path: str | os.PathLike, options: DecoderOptions, settings: GenerationSettings) -> DecoderOptions:
     """`options` with the target's MTP head loaded (DecoderOptions.mtp) where the model has one, this llama-cpp-python
     runs it and the method may draft from it (auto, mtp); else without, and one notice line where the model has MTP
-    layers or --method mtp asked for them: what is missing, and that `auto` drafts without the head."""
+    layers or --method mtp asked for them: what is missing, and what runs instead (`mtp` runs as `auto`; no method
+    is then the default of a model without a head: autoregressive, or auto with a draft model or Medusa heads)."""
     if settings.method not in (None, "auto", "mtp"):
         return replace(options, mtp=False)
     path = Path(target_path).expanduser()
@@ -461,8 +466,9 @@ def with_mtp(target_path: str | os.PathLike, options: DecoderOptions, settings: 
     if why is None:
         return replace(options, mtp=True)
     if mtp_layers(header) or settings.method == "mtp":
-        notice(f"{why}: {'--method mtp runs as auto, without' if settings.method == 'mtp' else 'auto drafts without'} "
-               "an MTP head")
+        then = {"mtp": "--method mtp runs as auto, without", "auto": "auto drafts without"}.get(settings.method or "",
+                                                                                                "running without")
+        notice(f"{why}: {then} an MTP head")
     return replace(options, mtp=False)
 
 

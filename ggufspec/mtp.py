@@ -79,8 +79,8 @@ def unavailable(header: GGUFHeader, name: str) -> str | None:
         return f"{name} has {n} chained MTP heads, which ggufspec does not drive yet (one head only)"
     lacks = library_lacks()
     if lacks is not None:
-        return (f"{name} has MTP layers, but this llama-cpp-python ({llama_cpp.__version__}) cannot run them: {lacks}; "
-                "0.3.36 or later can")
+        return (f"{name} has MTP layers, but this llama-cpp-python ({llama_cpp.__version__}) cannot run them: {lacks} "
+                "(0.3.36 or later, built with its own llama.cpp, can)")
     return None
 
 
@@ -140,6 +140,10 @@ class HiddenRows:
     def row(self, p: int) -> np.ndarray | None:
         """The row at position p (a view), None where none is kept."""
         return self._buf[p - self.lo] if self.lo <= p < self.hi else None
+
+    def block(self, a: int, b: int) -> np.ndarray:
+        """The rows at positions a..b-1, all kept (lo <= a <= b <= hi): a view."""
+        return self._buf[a - self.lo : b - self.lo]
 
     def cut(self, n: int) -> None:
         """Forget the rows at positions n and later (a rollback to n tokens)."""
@@ -349,8 +353,8 @@ class MtpDecoder:
         tokens read the target's (or zeros for good): those entries may be kept as a prefix."""
         rows, first = np.zeros((n, self.width), np.float32), start - 1
         a, b = max(first, self.rows.lo), min(first + n, self.rows.hi)
-        for p in range(a, b):
-            rows[p - first] = self.rows.row(p)
+        if a < b:
+            rows[a - first : b - first] = self.rows.block(a, b)
         exact = min(n, max(0, self.rows.hi - first))
         if exact == 0 and self._own is not None and self._own[0] == first:
             rows[0] = self._own[1]

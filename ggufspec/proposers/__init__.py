@@ -137,7 +137,8 @@ def _draft_model(s: Setup) -> Proposer:
 
 def _mtp(s: Setup) -> Proposer:
     assert s.mtp is not None
-    return MtpProposer(s.mtp, s.target.n_vocab, s.params, s.rng, s.draft_p_min, s.tree_leaves, s.suppressed)
+    # chains, as llama.cpp's draft-mtp: the heads served are qwen35's, whose hybrid memory holds no token trees
+    return MtpProposer(s.mtp, s.target.n_vocab, s.params, s.rng, s.draft_p_min, 0, s.suppressed)
 
 
 def _medusa(s: Setup) -> Proposer:

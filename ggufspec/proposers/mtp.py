@@ -1,4 +1,4 @@
-"""The target's own MTP head: chains (or trees) as a draft model's, drafted by the head (mtp.MtpDecoder).
+"""The target's own MTP head: chains as a draft model's, drafted by the head (mtp.MtpDecoder).
 
 The head is a draft model in all that the proposer sees: it catches up on the context it has not read (each token
 with the target's hidden row before it), then guesses one token a decode from its own row. When sampling, each guess
@@ -11,10 +11,15 @@ from .draft_model import DraftModelProposer
 
 
 class MtpProposer(DraftModelProposer):
-    """Chains of up to k of the MTP head's guesses (stopped where its top probability < p_min), trees of its runner-ups
-    where the target holds them; `draft` is the head (mtp.MtpDecoder)."""
+    """Chains of up to k of the MTP head's guesses (stopped where its top probability < p_min); `draft` is the head
+    (mtp.MtpDecoder)."""
 
     name = "mtp"
+
+    def unseen(self, context: list[int]) -> int:
+        """Tokens of `context` the head would read before proposing after it: the ones it has not, and its own guesses
+        the target has judged since (read again with the target's rows)."""
+        return self.draft.unseen(context)
 
     def begin(self, prompt: list[int], warm: bool) -> None:
         """Warm: the head reads the prompt now, from the target's rows of its prefill (kept until it does)."""
