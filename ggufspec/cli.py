@@ -284,13 +284,15 @@ OPTIONS: tuple[Option, ...] = (
     # decoding
     option("--method", serves=GENERATION, type=click.Choice(list(METHODS)), default=None,
            help=f"{methods_help()}. Default: auto.",
-           per={"generate": dict(help=f"{methods_help()}. Default: auto with a draft or --medusa, else autoregressive.")}),
+           per={"generate": dict(help=f"{methods_help()}. Default: auto with a draft, --medusa or a model's MTP head, "
+                                      "else autoregressive.")}),
     option("--spec-type", "spec_type", serves=GENERATION, type=SpecType(), default=None,
            help="llama.cpp's speculative types, as the method that drafts so here: ngram-* is lookup, draft-simple "
                 "vanilla, draft-mtp mtp, several (a comma list) auto, none autoregressive."),
     option("--method", "methods", serves={"bench"}, multiple=True, type=click.Choice(list(METHODS)),
            help="Methods to compare (repeatable; default: autoregressive, vanilla with a draft, medusa with --medusa "
-                "heads, and auto; without either: autoregressive and auto, which is prompt lookup where it pays)."),
+                "heads, mtp with a model's MTP head, and auto; with none of them: autoregressive and auto, which is "
+                "prompt lookup where it pays)."),
     option("--temp", "temps", serves={"bench"}, multiple=True, type=click.FloatRange(min=0),
            help="Temperatures (repeatable; default 0)."),
     option("-n", "--max-tokens", "--n-predict", "max_tokens", serves=RUNS, type=MaxTokens(),
@@ -686,6 +688,15 @@ def serve(host, port, api_key, queue, alias, parallel, max_body, timeout, allowe
                    lambda line: click.echo(line, err=True))
 
 
+def _has_mtp(target: str) -> bool:
+    """Whether the target's MTP head can draft here (mtp.py)."""
+    from .gguf_check import read_header
+    from .mtp import unavailable
+
+    path = Path(target).expanduser()
+    return unavailable(read_header(path), path.name) is None
+
+
 def _check_method(method: str, draft: str | None, medusa_path: str | None) -> None:
     try:
         get_method(method, draft is not None, medusa_path is not None)
@@ -764,7 +775,7 @@ def bench(target, draft, preset, prompts_path, limit, per_category, methods, tem
         if draft is None:
             raise click.UsageError("--replay needs a draft model: -d DRAFT.gguf")
         return _replay(target, draft, prompts, max_tokens, draft_max, options)
-    methods = methods or default_methods(draft is not None, medusa_path is not None)
+    methods = methods or default_methods(draft is not None, medusa_path is not None, _has_mtp(target))
     for method in methods:
         _check_method(method, draft, medusa_path)
     medusa_vocab = _medusa_vocab(medusa_vocab, medusa_path)
