@@ -135,6 +135,7 @@ def test_greedy_text_is_the_targets_with_two_slots(mtp_model) -> None:
     assert drafted > 200 and all(n > 100 for n in together), (drafted, together)
 
 
+@pytest.mark.slow
 def test_sampling_follows_the_target_with_the_heads_q(mtp_model) -> None:
     """The first two tokens sampled with the head's drafts (each with the head's distribution as q, judged by
     rejection sampling) follow the target's own (top-k, tempered) distribution."""
