@@ -282,7 +282,8 @@ class MtpDecoder:
         if target.hidden_rows is None:
             raise GGUFSpecError(f"{target.path.name} was loaded without its MTP layers (DecoderOptions.mtp)")
         self.target, self.rows = target, target.hidden_rows
-        self.path, self.n_vocab, self.width, self.n_ctx = target.path, target.n_vocab, target.n_embd, target.n_ctx
+        self.path, self.n_vocab, self.n_ctx = target.path, target.n_vocab, target.n_ctx
+        self.width = target.hidden_rows.width  # llama.cpp's n_embd_out: the target's rows and the head's inputs
         self._ctx, self._batch, self._seq, self._lockstep, self._runner = ctx, batch, seq, lockstep, runner
         self._mem = llama_cpp.llama_get_memory(ctx)
         self._n_batch = llama_cpp.llama_n_batch(ctx) if runner is None else target.options.n_batch
@@ -307,7 +308,7 @@ class MtpDecoder:
         n, first = len(targets), targets[0]
         chunk = first.options.n_batch
         ctx = _mtp_context(first, first.n_ctx * n + n * chunk, n * chunk, n, n == 1)
-        runner = _Shared(ctx, first.n_embd, first.n_vocab)
+        runner = _Shared(ctx, first.hidden_rows.width, first.n_vocab)
         return [cls(t, ctx, None, i, lockstep, runner) for i, t in enumerate(targets)]
 
     @property
@@ -339,12 +340,10 @@ class MtpDecoder:
             raise ContextLengthError(f"{len(self.history) + n} tokens do not fit the MTP head's context of "
                                      f"{self.n_ctx} tokens (raise --n-ctx).")
         out = []
-        for at in range(0, n, self._n_batch):
-            chunk = list(map(int, tokens[at : at + self._n_batch]))
-            last = at + self._n_batch >= n
-            logits = self._decode(chunk, all_logits or not last)
-            if all_logits or last:
-                out.append(logits if all_logits else logits[-1:])
+        for at in range(0, n, self._n_batch):  # without all_logits, each chunk's last row only (its own row)
+            logits = self._decode(list(map(int, tokens[at : at + self._n_batch])), all_logits)
+            if all_logits or at + self._n_batch >= n:
+                out.append(logits)
         return out[0] if len(out) == 1 else np.concatenate(out)
 
     def _inputs(self, start: int, n: int) -> tuple[np.ndarray, int]:
