@@ -492,8 +492,8 @@ class ContextCosts:
 def measure(target: LlamaCppDecoder, draft: Decoder | None, k_max: int, repeats: int = 5,
             long_sizes: Sequence[int] = LONG_BATCHES, long_repeats: int = 2,
             mtp: Decoder | None = None) -> tuple[CostModel, float]:
-    """Time target batches of 1..k_max+1 tokens (and of `long_sizes` that fit), a draft token and the MTP head's (a step,
-    and a batch catching up on MTP_CATCH_UP tokens) after a short context, and on recurrent memory each model's
+    """Time target batches of 1..k_max+1 tokens (and of `long_sizes` that fit), a draft token and the MTP head's (a
+    step, and a batch catching up on MTP_CATCH_UP tokens) after a short context, and on recurrent memory each model's
     checkpoint (saved and restored: hold); resets them all (a pool's batches of every slot's tokens: measure_together).
 
     Rounds interleave all sizes, so a busy spell hits every one; each time is the fastest round's (long

@@ -76,12 +76,12 @@ def mtp_line(path: Path, header: GGUFHeader) -> str:
     n = mtp_layers(header)
     if not n:
         lacks = library_lacks()
-        return "  MTP head: none in this model" + (f" (nor could this llama-cpp-python run one: {lacks})" if lacks else "")
+        return "  MTP head: none in this model" + (f" (nor could this llama-cpp-python run one: {lacks})" * bool(lacks))
     why = unavailable(header, path.name)
     if why is not None:
         return f"  MTP head: {n} block{'s' * (n > 1)}, not used: {why}"
-    return ("  MTP head: 1 block, and this llama-cpp-python runs it: auto drafts from it where that pays (--method mtp: "
-            "from it alone)")
+    return ("  MTP head: 1 block, and this llama-cpp-python runs it: auto drafts from it where that pays (--method "
+            "mtp: from it alone)")
 
 
 def report(target: str | None, draft: str | None, options: DecoderOptions) -> str:

@@ -293,8 +293,8 @@ class SpeculativeEngine:
         return f"{' + '.join(models)}, method {self.method_for(s).name}"
 
     def method_for(self, s: GenerationSettings) -> Method:
-        """The method `s` runs on this engine; GGUFSpecError when it needs a model this engine lacks. `mtp` without an MTP
-        head runs as `auto` (the load said why: with_mtp)."""
+        """The method `s` runs on this engine; GGUFSpecError when it needs a model this engine lacks. `mtp` without an
+        MTP head runs as `auto` (the load said why: with_mtp)."""
         drafts = self.draft is not None or self.medusa is not None or self.mtp is not None
         name = s.method or ("auto" if drafts else "autoregressive")
         if name == "mtp" and self.mtp is None:
@@ -379,8 +379,8 @@ class SpeculativeEngine:
         # run uses, and a seed must repeat a run (its text stays the target's either way)
         answers = self.answers if method.answers and s.sampling.greedy else None
         suppressed = np.array(sorted(self.target.vocab.eog_ids), dtype=np.int64) if s.ignore_eos else None
-        setup = Setup(self.target, s.sampling, rng, draft, s.draft_p_min, leaves, self.medusa, tree, answers, suppressed,
-                      mtp)
+        setup = Setup(self.target, s.sampling, rng, draft, s.draft_p_min, leaves, self.medusa, tree, answers,
+                      suppressed, mtp)
         proposers = {name: PROPOSERS[name].build(setup) for name in sources}
         policy = method.policy(self, s, sources, tree)
         verifier = Verifier(self.target, s.sampling, rng, tree is not None, s.typical, suppressed)

@@ -26,7 +26,8 @@ class LlamaModel:
 
     def __init__(self, path: Path, header: GGUFHeader, *, n_gpu_layers: int = 0, use_mmap: bool = True,
                  use_mlock: bool = False, repack: bool = True, verbose: bool = False, vocab_only: bool = False,
-                 devices: list[int] | None = None, tensor_split: tuple[float, ...] = (), load_mtp: bool = False) -> None:
+                 devices: list[int] | None = None, tensor_split: tuple[float, ...] = (),
+                 load_mtp: bool = False) -> None:
         """`devices`: the ggml devices (addresses) the offloaded layers go to, in place of all of this build's
         (llama.cpp's default), weighed by `tensor_split`; `vocab_only`: the vocabulary and metadata, no weights;
         `load_mtp`: its MTP layers too (llama.cpp skips them by default)."""

@@ -186,7 +186,8 @@ class _ExtBatch:
                 raise GGUFSpecError(f"the MTP head's batch refused token {t} (error {idx})")
             pos[0] = p
             embd = llama_cpp.llama_embd(ctypes.cast(base + i * stride, f), 1, width)
-            if not (llama_cpp.llama_batch_ext_set_pos(b, idx, pos) and llama_cpp.llama_batch_ext_set_embd_token(b, idx, embd)):
+            ok = llama_cpp.llama_batch_ext_set_pos(b, idx, pos)
+            if not (ok and llama_cpp.llama_batch_ext_set_embd_token(b, idx, embd)):
                 raise GGUFSpecError("the MTP head's batch refused a hidden row")
             if out:
                 llama_cpp.llama_batch_ext_set_output_logits(b, idx, True)
@@ -202,11 +203,13 @@ def _mtp_context(target: LlamaCppDecoder, n_ctx: int, n_batch: int, n_seq: int, 
     o = target.options
     cp = llama_cpp.llama_context_default_params()
     cp.ctx_type = llama_cpp.LLAMA_CONTEXT_TYPE_MTP
-    cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max, cp.kv_unified = n_ctx, n_batch, min(n_batch, target.n_ubatch), n_seq, unified
+    cp.n_ctx, cp.n_batch, cp.n_ubatch = n_ctx, n_batch, min(n_batch, target.n_ubatch)
+    cp.n_seq_max, cp.kv_unified = n_seq, unified
     cp.n_threads = llama_cpp.llama_n_threads(target.llama_context)
     cp.n_threads_batch = llama_cpp.llama_n_threads_batch(target.llama_context)
     if o.flash_attn is not None:
-        cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if o.flash_attn else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        cp.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if o.flash_attn else
+                              llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
     from gguf import GGMLQuantizationType
 
     cp.type_k = int(GGMLQuantizationType[target.kv_type.upper()])
@@ -381,7 +384,8 @@ class MtpDecoder:
             self.n_batched_tokens += n
             if rc == 0:
                 n_out = sum(outputs)
-                logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits(self._ctx), shape=(n_out, self.n_vocab)).copy()
+                logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits(self._ctx), shape=(n_out, self.n_vocab))
+                logits = logits.copy()
                 own = hidden_rows(self._ctx, n, self.width)[-1].copy()
         self.n_decodes += 1
         self.n_decoded_tokens += n

@@ -186,8 +186,8 @@ def test_an_mtp_model_drafts_with_its_head_by_default_and_says_so(mtp_model) -> 
     assert out["tokens"] == ref["tokens"] and out["stats"]["method"] == "auto" and not lines
     stats = _cli("generate", "-m", target, "-c", "512", "-n", "12", "--stats", PROMPTS[0]).stderr.splitlines()[-1]
     # what it drafted from, or why the head stayed off
-    assert re.search(r"\| (drafted on [^|]*MTP head \d|speculation off: the MTP head: |[^|]*the MTP head off: )", stats), \
-        stats
+    said = r"\| (drafted on [^|]*MTP head \d|speculation off: the MTP head: |[^|]*the MTP head off: )"
+    assert re.search(said, stats), stats
     doctor = _cli("doctor", "-m", target)
     assert "MTP head: 1 block, and this llama-cpp-python runs it" in doctor.stdout, doctor.stdout + doctor.stderr
 

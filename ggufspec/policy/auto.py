@@ -263,7 +263,8 @@ class AutoPolicy:
         k = c.best_k(OPTIMISTIC, self.k_max, k_min=1, free=free)  # the length most likely to pay
         price = f"a {k + 1}-token batch costs {c.batch_seconds(k + 1) / c.verify[0]:.1f} decodes here"
         if not free:
-            price += f" and {'an MTP step' if record is self.mtp_length else 'a draft token'} {c.draft / c.verify[0]:.2f}"
+            step = "an MTP step" if record is self.mtp_length else "a draft token"
+            price += f" and {step} {c.draft / c.verify[0]:.2f}"
         gain = SHARED_GAIN if c.shared else MIN_GAIN
         if c.expected_rate(k, OPTIMISTIC, free) < gain * c.expected_rate(0, 0):
             return f"{price}: even drafts kept {OPTIMISTIC:.0%} of the time would not pay"
