@@ -90,11 +90,13 @@ def load_prompts(path: str | Path | None = None, limit: int | None = None,
     return out[:limit] if limit else out
 
 
-def default_methods(has_draft: bool, has_heads: bool) -> tuple[str, ...]:
+def default_methods(has_draft: bool, has_heads: bool, has_mtp: bool = False) -> tuple[str, ...]:
     """What `bench` compares when no --method is given: the baseline, each method that uses what is loaded on
-    its own (vanilla with a draft model, medusa with heads), and `auto`, the default of generate/chat/serve (with
-    neither, `auto` is prompt lookup where the cost model expects it to pay, else plain decoding)."""
-    return ("autoregressive",) + (("vanilla",) if has_draft else ()) + (("medusa",) if has_heads else ()) + ("auto",)
+    its own (vanilla with a draft model, medusa with heads, mtp with the target's MTP head), and `auto`, the default
+    of generate/chat/serve (with none of them, `auto` is prompt lookup where the cost model expects it to pay, else
+    plain decoding)."""
+    return (("autoregressive",) + (("vanilla",) if has_draft else ()) + (("medusa",) if has_heads else ())
+            + (("mtp",) if has_mtp else ()) + ("auto",))
 
 
 def run_bench(

@@ -115,12 +115,12 @@ def _answer_length(default: int | None) -> Settings:
 #: llama.cpp's --spec-type names (common/speculative.cpp) and the method that drafts so here; a list naming both a
 #: draft model and n-grams is `auto`, which drafts from both where that pays.
 SPEC_TYPES: Mapping[str, str] = {
-    "none": "autoregressive", "draft-simple": "vanilla",
+    "none": "autoregressive", "draft-simple": "vanilla", "draft-mtp": "mtp",
     **dict.fromkeys(("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache"), "lookup"),
 }
 #: ... and the ones with no counterpart here: what each drafts with
 SPEC_TYPES_ELSEWHERE: Mapping[str, str] = {
-    "draft-eagle3": "EAGLE-3 heads", "draft-mtp": "a model's multi-token-prediction layers",
+    "draft-eagle3": "EAGLE-3 heads",
     "draft-dflash": "DFlash drafts", "draft-dspark": "DSpark drafts",
 }
 
@@ -135,8 +135,8 @@ class SpecType(click.ParamType):
         for n in names:
             if n in SPEC_TYPES_ELSEWHERE:
                 self.fail(f"{n}: ggufspec does not draft with {SPEC_TYPES_ELSEWHERE[n]}; use a draft model (-md "
-                          "DRAFT.gguf, draft-simple), n-grams (ngram-mod) or Medusa heads (--method medusa --medusa "
-                          "HEADS.gguf)", param, ctx)
+                          "DRAFT.gguf, draft-simple), n-grams (ngram-mod), the model's MTP head (draft-mtp) or Medusa "
+                          "heads (--method medusa --medusa HEADS.gguf)", param, ctx)
             if n not in SPEC_TYPES:
                 self.fail(f"{n!r} is none of llama.cpp's types that ggufspec runs: {', '.join(SPEC_TYPES)}", param, ctx)
         if not names:
@@ -284,13 +284,15 @@ OPTIONS: tuple[Option, ...] = (
     # decoding
     option("--method", serves=GENERATION, type=click.Choice(list(METHODS)), default=None,
            help=f"{methods_help()}. Default: auto.",
-           per={"generate": dict(help=f"{methods_help()}. Default: auto with a draft or --medusa, else autoregressive.")}),
+           per={"generate": dict(help=f"{methods_help()}. Default: auto with a draft, --medusa or a model's MTP head, "
+                                      "else autoregressive.")}),
     option("--spec-type", "spec_type", serves=GENERATION, type=SpecType(), default=None,
            help="llama.cpp's speculative types, as the method that drafts so here: ngram-* is lookup, draft-simple "
-                "vanilla, both (a comma list) auto, none autoregressive."),
+                "vanilla, draft-mtp mtp, several (a comma list) auto, none autoregressive."),
     option("--method", "methods", serves={"bench"}, multiple=True, type=click.Choice(list(METHODS)),
            help="Methods to compare (repeatable; default: autoregressive, vanilla with a draft, medusa with --medusa "
-                "heads, and auto; without either: autoregressive and auto, which is prompt lookup where it pays)."),
+                "heads, mtp with a model's MTP head, and auto; with none of them: autoregressive and auto, which is "
+                "prompt lookup where it pays)."),
     option("--temp", "temps", serves={"bench"}, multiple=True, type=click.FloatRange(min=0),
            help="Temperatures (repeatable; default 0)."),
     option("-n", "--max-tokens", "--n-predict", "max_tokens", serves=RUNS, type=MaxTokens(),
@@ -686,6 +688,15 @@ def serve(host, port, api_key, queue, alias, parallel, max_body, timeout, allowe
                    lambda line: click.echo(line, err=True))
 
 
+def _has_mtp(target: str) -> bool:
+    """Whether the target's MTP head can draft here (mtp.py)."""
+    from .gguf_check import read_header
+    from .mtp import unavailable
+
+    path = Path(target).expanduser()
+    return unavailable(read_header(path), path.name) is None
+
+
 def _check_method(method: str, draft: str | None, medusa_path: str | None) -> None:
     try:
         get_method(method, draft is not None, medusa_path is not None)
@@ -764,7 +775,7 @@ def bench(target, draft, preset, prompts_path, limit, per_category, methods, tem
         if draft is None:
             raise click.UsageError("--replay needs a draft model: -d DRAFT.gguf")
         return _replay(target, draft, prompts, max_tokens, draft_max, options)
-    methods = methods or default_methods(draft is not None, medusa_path is not None)
+    methods = methods or default_methods(draft is not None, medusa_path is not None, _has_mtp(target))
     for method in methods:
         _check_method(method, draft, medusa_path)
     medusa_vocab = _medusa_vocab(medusa_vocab, medusa_path)

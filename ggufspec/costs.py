@@ -32,6 +32,9 @@ CONTEXT_SIZE = 256
 # Long batches measured for prompt lookup's long guesses (where the text copies its context): the draft
 # lengths they hold are one less. At most llama.cpp's CPU micro-batch (decoder.CPU_UBATCH), so one pass.
 LONG_BATCHES = (16, 32, 64)
+# The MTP head's catch-up batch measure() times: the committed tokens of a few steps (its price per token is what
+# `auto` charges for text the head has not read)
+MTP_CATCH_UP = 16
 
 
 @dataclass
@@ -45,7 +48,10 @@ class CostModel:
     On recurrent memory (recurrent.py): hold, the target's checkpoint (saved and restored), which a step pays whose
     chain is longer than its `snapshots` undo; draft_hold, the draft model's, which a step drafting 2 tokens or more
     pays (its snapshots never undo single-token decodes). Both 0 on attention memory. Each is charged whole, an upper
-    bound: a restore happens only after a rejection."""
+    bound: a restore happens only after a rejection.
+    With the target's MTP head (mtp.py): mtp, one of its draft steps; mtp_catch_up, a token of a batch catching up on
+    committed text (one layer, no logits: far less than a step); mtp_batches[i], a pool's MTP batch of mtp_sizes[i]
+    tokens. MtpPrices prices the head as the draft."""
 
     verify: list[float]
     draft: float
@@ -59,6 +65,10 @@ class CostModel:
     hold: float = 0.0
     snapshots: int = 0
     draft_hold: float = 0.0
+    mtp: float = 0.0
+    mtp_catch_up: float = 0.0
+    mtp_sizes: list[int] = field(default_factory=list)
+    mtp_batches: list[float] = field(default_factory=list)
     # the last shared target and draft batches whose prices were learned (observe); not fields: never cached or copied
     _tick = _draft_tick = -1
 
@@ -73,12 +83,18 @@ class CostModel:
         return replace(self, verify=list(self.verify), long_sizes=list(self.long_sizes),
                        long_verify=list(self.long_verify), draft_sizes=list(self.draft_sizes),
                        draft_batches=list(self.draft_batches), slot_verify=list(self.slot_verify),
-                       shapes=dict(self.shapes))
+                       shapes=dict(self.shapes), mtp_sizes=list(self.mtp_sizes), mtp_batches=list(self.mtp_batches))
 
     @property
     def shared(self) -> bool:
         """Whether other slots' tokens ride in the batches priced (SharedBatch)."""
         return False
+
+    @property
+    def catch_up(self) -> float:
+        """What the drafter takes to read a token of text it has not seen: a draft model's is priced at a draft step
+        (a catch-up batch costs a little less: an upper bound)."""
+        return self.draft
 
     @property
     def k_long(self) -> tuple[int, ...]:
@@ -186,7 +202,7 @@ class CostModel:
 
     def observe(self, n_verify: int, verify_s: float, draft_decodes: int, draft_s: float, weight: float = 0.2,
                 draft_width: int = 1, verify_seqs: int = 1, verify_shapes: Sequence[tuple[int, int]] = (),
-                tick: int = -1, draft_tick: int = -1) -> None:
+                tick: int = -1, draft_tick: int = -1, mtp: bool = False) -> None:
         """Move toward what one step really cost: the batch size seen at `weight`, the others at half of it
         (after a plain step: every size and the draft at `weight`), the draft at `weight` per decode, each of its
         decodes a batch of `draft_width` tokens (other slots' too, in a pool), every draft size alike. A batch of
@@ -200,7 +216,8 @@ class CostModel:
         A shared batch (`tick`: its number, which every slot's step in it reports) teaches its price once: learned
         from each of 8 slots at weight 0.2, one slow tick moved a price 0.83 of the way to its time, and the pool
         drafted for 185 ticks on that one price (docs/benchmarks-parallel.md, run 20). So do the draft batches of
-        slots drafting together (`draft_tick`: the step's last one).
+        slots drafting together (`draft_tick`: the step's last one). `mtp`: the drafter was the MTP head, whose prices
+        learn from its decodes.
 
         A model measured while the machine was busy (or cached from another load) corrects itself in use.
         Plain steps scale every cost alike: they slow down as the context grows (the draft's too), and
@@ -239,8 +256,8 @@ class CostModel:
         if draft_tick >= 0 and not self._first_report("_draft_tick", draft_tick):
             draft_decodes = 0
         if draft_decodes:
-            seen = draft_s / draft_decodes / self.draft_seconds(draft_width)
-            self._scale_draft(1 + (1 - (1 - weight) ** draft_decodes) * (seen - 1))
+            seen = draft_s / draft_decodes / (MtpPrices(self) if mtp else self).draft_seconds(draft_width)
+            self._scale_draft(1 + (1 - (1 - weight) ** draft_decodes) * (seen - 1), "mtp" if mtp else "draft")
         if verify_s > 0 or draft_decodes:  # learned (a shared tick is learned from one slot's step only)
             self._prices = {}
 
@@ -276,9 +293,15 @@ class CostModel:
         self.slot_verify[1:] = [v * factor for v in self.slot_verify[1:]]  # observe, its caller, forgets the prices
         self._scale_draft(factor)
 
-    def _scale_draft(self, factor: float) -> None:
-        self.draft *= factor
-        self.draft_batches = [s * factor for s in self.draft_batches]
+    def _scale_draft(self, factor: float, which: str | None = None) -> None:
+        """The draft model's prices (`which` "draft"), the MTP head's ("mtp") or both (None: the machine's pace)."""
+        if which != "mtp":
+            self.draft *= factor
+            self.draft_batches = [s * factor for s in self.draft_batches]
+        if which != "draft":
+            self.mtp *= factor
+            self.mtp_catch_up *= factor
+            self.mtp_batches = [s * factor for s in self.mtp_batches]
 
 
 _TICKS = threading.Lock()  # CostModel.observe: a shared tick's first observer learns it, atomically
@@ -376,6 +399,7 @@ class SharedBatch(CostModel):
     hold = property(lambda self: self.base.hold)
     snapshots = property(lambda self: self.base.snapshots)
     draft_hold = property(lambda self: self.base.draft_hold)
+    catch_up = property(lambda self: self.base.catch_up)
     micro_seconds = property(lambda self: self.base.micro_seconds)  # the base's prices, remembered there
     padded_seconds = property(lambda self: self.base.padded_seconds)
 
@@ -416,6 +440,38 @@ class SharedBatch(CostModel):
         return self.base.copy()
 
 
+class MtpPrices(CostModel):
+    """`base`'s prices with the target's MTP head as the drafter: a draft token is one of its steps (`mtp`), a pool's
+    draft batch one of its batches (`mtp_batches`), a token it catches up on a share of its catch-up batch
+    (`mtp_catch_up`), and no checkpoint (its memory is attention only, whatever the target's is). A view: learning
+    goes to the base, the target's batches as any step's, the head's prices from its own decodes."""
+
+    def __init__(self, base: CostModel) -> None:
+        self.base = base
+
+    verify = property(lambda self: self.base.verify)
+    long_sizes = property(lambda self: self.base.long_sizes)
+    long_verify = property(lambda self: self.base.long_verify)
+    slots = property(lambda self: self.base.slots)
+    slot_verify = property(lambda self: self.base.slot_verify)
+    shapes = property(lambda self: self.base.shapes)
+    hold = property(lambda self: self.base.hold)
+    snapshots = property(lambda self: self.base.snapshots)
+    draft = property(lambda self: self.base.mtp)
+    draft_sizes = property(lambda self: self.base.mtp_sizes)
+    draft_batches = property(lambda self: self.base.mtp_batches)
+    draft_hold = property(lambda self: 0.0)
+    catch_up = property(lambda self: self.base.mtp_catch_up or self.base.mtp)
+    micro_seconds = property(lambda self: self.base.micro_seconds)
+    padded_seconds = property(lambda self: self.base.padded_seconds)
+
+    def observe(self, *args, **kwargs) -> None:
+        self.base.observe(*args, mtp=True, **kwargs)
+
+    def copy(self) -> CostModel:
+        return self.base.copy()
+
+
 class ContextCosts:
     """A CostModel per context size (up to CONTEXT_SIZE cached tokens, up to twice that, ...), each
     learning from the steps taken at its size: a batch attends to the whole context, so what a long
@@ -434,17 +490,18 @@ class ContextCosts:
 
 
 def measure(target: LlamaCppDecoder, draft: Decoder | None, k_max: int, repeats: int = 5,
-            long_sizes: Sequence[int] = LONG_BATCHES, long_repeats: int = 2) -> tuple[CostModel, float]:
-    """Time target batches of 1..k_max+1 tokens (and of `long_sizes` that fit) and a draft token after a short
-    context, and on recurrent memory each model's checkpoint (saved and restored: hold); resets both (a pool's
-    batches of every slot's tokens: measure_together).
+            long_sizes: Sequence[int] = LONG_BATCHES, long_repeats: int = 2,
+            mtp: Decoder | None = None) -> tuple[CostModel, float]:
+    """Time target batches of 1..k_max+1 tokens (and of `long_sizes` that fit), a draft token and the MTP head's (a
+    step, and a batch catching up on MTP_CATCH_UP tokens) after a short context, and on recurrent memory each model's
+    checkpoint (saved and restored: hold); resets them all (a pool's batches of every slot's tokens: measure_together).
 
     Rounds interleave all sizes, so a busy spell hits every one; each time is the fastest round's (long
     batches take part in the first `long_repeats` rounds: each costs as much as many short ones).
     Also returns the spread (slowest / fastest round, worst short size): large when the machine was busy.
     """
     ctx = list(range(100, 132))
-    decoders = [target] + ([draft] if draft is not None else [])
+    decoders = [target] + [d for d in (draft, mtp) if d is not None]  # the target first: the head reads its rows
     for d in decoders:
         d.sync(ctx)
         d.hold(anchor=True)  # recurrent memory: every round's rollback returns to this checkpoint
@@ -452,17 +509,20 @@ def measure(target: LlamaCppDecoder, draft: Decoder | None, k_max: int, repeats:
         d.rollback_to(len(ctx))
     room = min(target.n_ctx - len(ctx) - 1, target.options.micro_batch)  # one micro-batch, inside the context
     longs = [n for n in long_sizes if k_max + 1 < n <= room]
-    # the draft's token costs a fraction of the target's batches: every round, after the short sizes
-    sizes = [(target, n) for n in range(1, k_max + 2)] + ([(draft, 1)] if draft is not None else [])
-    sizes += [(target, n) for n in longs]
+    # (decoder, tokens, with every token's logits, long): the drafters' tokens cost a fraction of the target's batches:
+    # every round, after the short sizes
+    short = [(target, n, True) for n in range(1, k_max + 2)] + ([(draft, 1, True)] if draft is not None else [])
+    if mtp is not None:
+        short += [(mtp, 1, True), (mtp, MTP_CATCH_UP, False)]
+    sizes = [(*size, False) for size in short] + [(target, n, True, True) for n in longs]
     times: list[list[float]] = [[] for _ in sizes]
     holds: dict[int, list[float]] = {id(d): [] for d in decoders if _recurrent(d)}
     for r in range(repeats):
-        for i, ((d, n), out) in enumerate(zip(sizes, times)):
-            if r >= long_repeats and i >= len(sizes) - len(longs):
+        for (d, n, every, long), out in zip(sizes, times):
+            if long and r >= long_repeats:
                 continue
             t0 = measure_clock()
-            d.feed(list(range(200, 200 + n)))
+            d.feed(list(range(200, 200 + n)), all_logits=every)
             out.append(measure_clock() - t0)
             d.rollback_to(len(ctx))
         for d in decoders:
@@ -471,11 +531,12 @@ def measure(target: LlamaCppDecoder, draft: Decoder | None, k_max: int, repeats:
     for d in decoders:
         d.rollback_to(0)
     best = [min(t) for t in times]
-    short = len(sizes) - len(longs)
     spread = max(max(t) / min(t) for t in times[: k_max + 1 + (draft is not None)])
-    model = CostModel(best[: k_max + 1], best[k_max + 1] if draft is not None else 0.0, longs, best[short:],
+    model = CostModel(best[: k_max + 1], best[k_max + 1] if draft is not None else 0.0, longs, best[len(short):],
                       hold=min(holds.get(id(target), [0.0])), snapshots=getattr(target, "n_rs_seq", 0),
                       draft_hold=min(holds.get(id(draft), [0.0])))
+    if mtp is not None:
+        model.mtp, model.mtp_catch_up = best[len(short) - 2], best[len(short) - 1] / MTP_CATCH_UP
     return model, spread
 
 
@@ -558,7 +619,7 @@ measure_clock = time.perf_counter  # measure()'s timer: a module attribute, so t
 
 
 def cached_measure(target: LlamaCppDecoder, draft: LlamaCppDecoder | None, k_max: int,
-                   long_sizes: Sequence[int] = LONG_BATCHES) -> CostModel:
+                   long_sizes: Sequence[int] = LONG_BATCHES, mtp: Decoder | None = None) -> CostModel:
     """measure(), remembered per model files, thread settings, CPU and llama.cpp build (machine_cache.machine: a
     home shared by different machines must not share their costs) in machine_cache.costs_path().
 
@@ -566,25 +627,26 @@ def cached_measure(target: LlamaCppDecoder, draft: LlamaCppDecoder | None, k_max
     (each batch's fastest time kept); the result is cached even if noisy, marked so (entry_noisy), and a noisy
     entry is used as it is until NOISY_RETRY_AFTER seconds have passed, then refined by one more try at its next
     use. A cached entry is used only when check_costs passes it: a bad one is reported on stderr, measured again
-    and written over, so what the cache holds never makes a run fail."""
+    and written over, so what the cache holds never makes a run fail. `mtp`: the target's MTP head, timed too."""
     if target.options.remote or (draft is not None and draft.options.remote):
         # a network's costs: not this machine's
-        notice(f"measuring the target's batch costs through the network for auto: {_what(k_max, draft)} (at each "
+        notice(f"measuring the target's batch costs through the network for auto: {_what(k_max, draft, mtp)} (at each "
                "load: links change)")
-        return _tries(target, draft, k_max, long_sizes, 1)[0]
+        return _tries(target, draft, k_max, long_sizes, 1, mtp=mtp)[0]
     path = costs_path()
     key = [_identity(target), _identity(draft) if draft else None, k_max, list(long_sizes), machine()]
+    key += ["mtp"] if mtp is not None else []  # (entries without the head keep their keys)
     entry = read_entry(path, json.dumps(key), lambda value: check_costs(value, k_max, long_sizes))
     if entry is not None and not _retry_due(entry):
         return cached_model(entry)
     if entry is None:
-        notice(f"measuring this machine's batch costs for auto: {_what(k_max, draft)} (once for these models and "
+        notice(f"measuring this machine's batch costs for auto: {_what(k_max, draft, mtp)} (once for these models and "
                f"settings: cached in {path})")
-        model, spread = _tries(target, draft, k_max, long_sizes, MEASURE_TRIES)
+        model, spread = _tries(target, draft, k_max, long_sizes, MEASURE_TRIES, mtp=mtp)
     else:
         notice(f"measuring the batch costs for auto again: the cached ones ({_when(entry['measured'])}) were taken "
                f"on a busy machine (spread {entry['spread']:.2f}); one try, each batch's fastest time kept")
-        model, spread = _tries(target, draft, k_max, long_sizes, 1, (cached_model(entry), entry["spread"]))
+        model, spread = _tries(target, draft, k_max, long_sizes, 1, (cached_model(entry), entry["spread"]), mtp)
     if spread > MAX_SPREAD:
         notice(f"this machine was busy while measuring (spread {spread:.2f}, over {MAX_SPREAD}): its fastest times "
                f"are used and cached, marked noisy, and measured again at a run {NOISY_RETRY_AFTER / 60:.0f} "
@@ -593,14 +655,14 @@ def cached_measure(target: LlamaCppDecoder, draft: LlamaCppDecoder | None, k_max
     return model
 
 
-def _what(k_max: int, draft: Decoder | None) -> str:
+def _what(k_max: int, draft: Decoder | None, mtp: Decoder | None = None) -> str:
     """What measure() times, for the notices: why the wait."""
-    drafts = ", and a draft token" if draft is not None else ""
+    drafts = "".join(x for x, d in ((", a draft token", draft), (", the MTP head's steps", mtp)) if d is not None)
     return f"the target's batches of 1 to {k_max + 1} tokens and longer ones{drafts}, 5 rounds each"
 
 
 def _tries(target: LlamaCppDecoder, draft: Decoder | None, k_max: int, long_sizes: Sequence[int], tries: int,
-           best: tuple[CostModel, float] | None = None) -> tuple[CostModel, float]:
+           best: tuple[CostModel, float] | None = None, mtp: Decoder | None = None) -> tuple[CostModel, float]:
     """Up to `tries` measurements, until one is quiet (spread at most MAX_SPREAD), starting from `best` (an
     earlier model and its spread); each batch's fastest time over them all, and the smallest spread. A spinner
     shows on a terminal while they run (waiting)."""
@@ -608,7 +670,7 @@ def _tries(target: LlamaCppDecoder, draft: Decoder | None, k_max: int, long_size
         for i in range(tries):
             if tries > 1:
                 wait.label = f"measuring batch costs for auto, try {i + 1} of at most {tries}"
-            model, spread = measure(target, draft, k_max, long_sizes=long_sizes)
+            model, spread = measure(target, draft, k_max, long_sizes=long_sizes, mtp=mtp)
             best = (model, spread) if best is None else (fastest(best[0], model), min(best[1], spread))
             if spread <= MAX_SPREAD:
                 break
@@ -622,7 +684,8 @@ def fastest(a: CostModel, b: CostModel) -> CostModel:
     pick = lambda xs, ys: [min(x, y) for x, y in zip(xs, ys)]  # noqa: E731
     return replace(a.copy(), verify=pick(a.verify, b.verify), draft=min(a.draft, b.draft),
                    long_verify=pick(a.long_verify, b.long_verify), hold=min(a.hold, b.hold),
-                   draft_hold=min(a.draft_hold, b.draft_hold))
+                   draft_hold=min(a.draft_hold, b.draft_hold), mtp=min(a.mtp, b.mtp),
+                   mtp_catch_up=min(a.mtp_catch_up, b.mtp_catch_up))
 
 
 def cached_model(entry: dict) -> CostModel:
@@ -688,7 +751,7 @@ def check_costs(entry: object, k_max: int, long_sizes: Sequence[int] = LONG_BATC
         return f"expected an object, found {_json_type(entry)}"
     unknown = sorted(set(entry) - {"verify", "draft", "long_sizes", "long_verify", "draft_sizes", "draft_batches",
                                    "slots", "slot_verify", "shapes", "hold", "snapshots", "draft_hold",
-                                   *ENTRY_FIELDS})
+                                   "mtp", "mtp_catch_up", "mtp_sizes", "mtp_batches", *ENTRY_FIELDS})
     if unknown:
         return f"unknown fields: {', '.join(unknown)}"
     why = _check_measurement(entry)
@@ -701,7 +764,7 @@ def check_costs(entry: object, k_max: int, long_sizes: Sequence[int] = LONG_BATC
         return f"verify: expected {k_max + 1} positive numbers"
     if not (type(draft) is float and math.isfinite(draft) and draft >= 0):
         return "draft: expected a number >= 0"
-    for name in ("hold", "draft_hold"):
+    for name in ("hold", "draft_hold", "mtp", "mtp_catch_up"):
         value = entry.get(name, 0.0)
         if not (type(value) is float and math.isfinite(value) and value >= 0):
             return f"{name}: expected a number >= 0"
@@ -712,8 +775,10 @@ def check_costs(entry: object, k_max: int, long_sizes: Sequence[int] = LONG_BATC
     if not (isinstance(secs, list) and len(secs) == len(sizes) and all(map(_seconds, secs))):
         return f"long_verify: expected {len(sizes)} positive numbers, one per long size"
     if entry.get("slots", 0) != 0 or entry.get("shapes", {}) != {} or any(
-            entry.get(name, []) != [] for name in ("draft_sizes", "draft_batches", "slot_verify")):
-        return "a pool's batches (draft_sizes, draft_batches, slots, slot_verify, shapes): expected none"
+            entry.get(name, []) != [] for name in ("draft_sizes", "draft_batches", "slot_verify", "mtp_sizes",
+                                                    "mtp_batches")):
+        return "a pool's batches (draft_sizes, draft_batches, slots, slot_verify, shapes, mtp_sizes, mtp_batches): " \
+               "expected none"
     return None
 
 

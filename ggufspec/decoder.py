@@ -29,6 +29,8 @@ from .machine_cache import notice
 from .memory import check_memory
 from .model import LlamaModel
 from .recurrent import Rewind, Rollbacks, memory_kind, snapshots_for
+from . import mtp
+from .mtp import HiddenRows
 from .waiting import waiting
 
 
@@ -141,6 +143,8 @@ class DecoderOptions:
     # supports them: a rollback of up to this many tokens of a verification batch restores one, where a checkpoint
     # would cost a copy of the state (recurrent.py). Capped below n_ubatch; ignored by attention models.
     n_rs_seq: int = 0
+    # load the model's MTP layers, and keep every token's hidden row for its head (mtp.py); the model must have them
+    mtp: bool = False
 
     def __post_init__(self) -> None:
         if self.n_ctx < 1:
@@ -269,7 +273,7 @@ class LlamaCppDecoder:
             self.model = model = LlamaModel(self.path, self.header, n_gpu_layers=(opts.n_gpu_layers or -1) if remote
                                             else opts.n_gpu_layers, use_mmap=opts.use_mmap, use_mlock=opts.use_mlock,
                                             repack=opts.repack, verbose=opts.verbose, devices=remote,
-                                            tensor_split=opts.tensor_split)
+                                            tensor_split=opts.tensor_split, load_mtp=opts.mtp)
         self.vocab, self.n_vocab, self.n_embd = model.vocab, model.n_vocab, model.n_embd
         self.weight_buffers, self.cpu_backend = model.weight_buffers, model.cpu_backend
         self.memory = memory_kind(model.handle)
@@ -325,6 +329,10 @@ class LlamaCppDecoder:
             self._batch = Batch(max(opts.n_batch, 1), opts.n_seq_max)
             # what llama.cpp gave: it sets n_rs_seq back to 0 for architectures without snapshots
             self.n_rs_seq: int = llama_cpp.llama_n_rs_seq(self._ctx) if self.memory.recurrent else 0
+            self.hidden_rows: HiddenRows | None = None  # with options.mtp: the rows its MTP head reads (mtp.py)
+            if opts.mtp:
+                mtp.record_hidden(self._ctx)
+                self.hidden_rows = HiddenRows(llama_cpp.llama_model_n_embd_out(model.handle))
         except BaseException:
             self.close()
             raise
@@ -405,6 +413,7 @@ class LlamaCppDecoder:
         view._n_out = view._skip = 0
         view._unrecorded = False
         view._rewind = view._new_rewind(seq)
+        view.hidden_rows = HiddenRows(self.hidden_rows.width) if self.hidden_rows is not None else None
         return view
 
     @property
@@ -511,6 +520,8 @@ class LlamaCppDecoder:
         if rc != 0:
             # llama.cpp leaves no partial batch in the KV on failure; the history stays as it was.
             raise GGUFSpecError(f"llama_decode failed with code {rc} at position {len(self.history)}")
+        if self.hidden_rows is not None:
+            self.hidden_rows.put(len(self.history), self._nextn(len(tokens)))
         self.history.extend(map(int, tokens))
         self._unrecorded = False
         if self._rewind is not None:
@@ -548,6 +559,12 @@ class LlamaCppDecoder:
             self.n_batched_tokens += n_tokens
         return rc
 
+    def _nextn(self, n: int) -> np.ndarray:
+        """The hidden rows of the last decode's n tokens (options.mtp), a view while valid."""
+        if self.shared:
+            return self._sub.nextn
+        return mtp.hidden_rows(self._ctx, n, self.hidden_rows.width)
+
     def _logits(self, n_rows: int, view: bool = False) -> np.ndarray:
         if self.shared:
             return self._sub.logits  # the rows it asked for, copied: n_rows of them
@@ -577,6 +594,8 @@ class LlamaCppDecoder:
             llama_cpp.llama_memory_seq_add(mem, self._seq, keep + discard, -1, -discard)
             if self._rewind is not None:  # its snapshots and checkpoints hold the positions before the shift
                 self._rewind.forget()
+        if self.hidden_rows is not None:
+            self.hidden_rows.shift(keep, discard)
         del self.history[keep : keep + discard]
         self.n_shifts += 1
 
@@ -584,6 +603,8 @@ class LlamaCppDecoder:
         if not 0 <= n <= len(self.history):
             raise ValueError(f"cannot roll back to {n}: the history holds {len(self.history)} tokens")
         self._end_tree()
+        if self.hidden_rows is not None:  # deferred tokens keep theirs: the same tokens after the same ones
+            self.hidden_rows.cut(n)
         cached = len(self.history) - len(self._deferred)
         if self._rewind is not None:
             self._rewind_to(n, cached)
@@ -644,6 +665,8 @@ class LlamaCppDecoder:
         else:
             llama_cpp.llama_memory_clear(self._mem_checked(), True)
         self._unrecorded = False
+        if self.hidden_rows is not None:
+            self.hidden_rows.clear()
         self.history.clear()
         self._deferred.clear()
         self._tree, self._tree_pre = None, []
@@ -717,6 +740,7 @@ class LlamaCppDecoder:
         self._n_out = len(tokens)
         self._tree = tree
         self._tree_tokens = [int(t) for t in tokens]
+        self._tree_rows = self._nextn(len(tokens)).copy() if self.hidden_rows is not None else None
         self._unrecorded = False
         return self._logits(len(tokens))
 
@@ -751,6 +775,9 @@ class LlamaCppDecoder:
             with self._locked():
                 llama_cpp.llama_memory_seq_rm(mem, seq, base + contiguous, -1)
         committed = [self._tree_tokens[i] for i in full]
+        if self.hidden_rows is not None and full:  # the path's rows, at the positions its nodes take
+            self.hidden_rows.cut(base)
+            self.hidden_rows.put(base, self._tree_rows[full])
         del self.history[base:]
         self.history.extend(committed)
         self._deferred = committed[contiguous:]
@@ -936,6 +963,12 @@ class _SharedContext:
             llama_cpp.llama_memory_seq_rm(o._mem, seq, end, -1)
         if rc != 0:
             return ran or tuple(lanes)
+        if o.hidden_rows is not None:  # every token's hidden row, in batch order: each submission's own, its pads after
+            rows, at = mtp.hidden_rows(o._ctx, n, o.hidden_rows.width), 0
+            for seq, s in order:
+                if s is not None:
+                    s.nextn = rows[at : at + len(s.tokens)].copy()
+                at += ran[seq] if ran is not None else len(s.tokens)
         # llama.cpp keeps the output rows in batch order, each submission's together: one view of the batch, a slice
         # copy each (a view and a stack per row took 1.9 ms a tick for 8 slots' chains of 4, against 0.3 ms so:
         # docs/benchmarks-parallel.md, "the engine's share")

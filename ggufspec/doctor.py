@@ -14,9 +14,11 @@ from . import cpu_backend, rpc
 from .costs import cache_report
 from .decoder import DecoderOptions, LlamaCppDecoder, gpu_offload
 from .engine import GenerationSettings, SpeculativeEngine, with_snapshots
+from .gguf_check import GGUFHeader
 from .isolated import open_target
 from .machine_cache import costs_path, cpu_info
 from .memory import recurrent_state_bytes
+from .mtp import library_lacks, mtp_layers, unavailable
 from .recurrent import rollback_in_use
 
 
@@ -65,7 +67,21 @@ def model_lines(role: str, path: str | Path, options: DecoderOptions) -> list[st
             f"{options.n_threads or 'all'}; GPU layers {options.n_gpu_layers}",
             f"  memory: {rollback_in_use(d.memory, d.n_rs_seq, options.n_rs_seq)}"
             + (f"; recurrent state {state / 2**20:.2f} MiB a sequence" if state else ""),
+            *([mtp_line(d.path, d.header)] if role == "target" else []),
         ]
+
+
+def mtp_line(path: Path, header: GGUFHeader) -> str:
+    """Whether the model has MTP layers (its own drafter, mtp.py) and whether this llama-cpp-python runs them."""
+    n = mtp_layers(header)
+    if not n:
+        lacks = library_lacks()
+        return "  MTP head: none in this model" + (f" (nor could this llama-cpp-python run one: {lacks})" * bool(lacks))
+    why = unavailable(header, path.name)
+    if why is not None:
+        return f"  MTP head: {n} block{'s' * (n > 1)}, not used: {why}"
+    return ("  MTP head: 1 block, and this llama-cpp-python runs it: auto drafts from it where that pays (--method "
+            "mtp: from it alone)")
 
 
 def report(target: str | None, draft: str | None, options: DecoderOptions) -> str:

@@ -23,6 +23,7 @@ from .machine_cache import notice
 from .memory import check_memory, snapshots_that_fit
 from .medusa.candidates import special_ids
 from .medusa.heads import ARCH as MEDUSA_ARCH, Heads, heads_memory, medusa_decoder_options
+from .mtp import MtpDecoder, mtp_layers, unavailable as mtp_unavailable
 from .loop import generate_steps
 from .methods import METHODS, Method, get_method
 from .policy import Policy, TreeSizer
@@ -45,7 +46,7 @@ DRAFT_TREE_SEQUENCES = 8  # a target paired with a draft holds `auto`'s greedy d
 
 @dataclass
 class GenerationSettings:
-    """What to generate and how; `method` None picks auto when a draft or Medusa heads are loaded."""
+    """What to generate and how; `method` None picks auto when a draft, Medusa heads or an MTP head are loaded."""
 
     max_tokens: int = 256
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -102,14 +103,16 @@ class GenerationResponse:
 
 
 class SpeculativeEngine:
-    """A target decoder and an optional draft decoder that share a vocabulary."""
+    """A target decoder and an optional draft decoder that share a vocabulary, and the target's MTP head where it has
+    one (`mtp`: the target loaded with DecoderOptions.mtp)."""
 
     def __init__(
         self, target: LlamaCppDecoder, draft: LlamaCppDecoder | None = None,
-        settings: GenerationSettings | None = None, costs: CostModel | None = None,
+        settings: GenerationSettings | None = None, costs: CostModel | None = None, mtp: MtpDecoder | None = None,
     ) -> None:
         self.target = target
         self.draft = draft
+        self.mtp = mtp
         self.settings = settings or GenerationSettings()
         if draft is not None:
             check_pair(target, draft)
@@ -118,11 +121,12 @@ class SpeculativeEngine:
         self.chat_template: Template | None = target.metadata("tokenizer.chat_template")
         self.medusa: Heads | None = None  # set by load(medusa_path=...)
         self.costs = costs  # the cost model `auto` prices steps with: measured at its first run when None
-        self._auto: dict[bool, AutoPolicy] = {}  # with and without a draft model, kept across generations
+        self._auto: dict[tuple[bool, bool], AutoPolicy] = {}  # with and without a draft model, an MTP head: kept
         self._sizers: dict[tuple, TreeSizer] = {}  # Medusa's, per tree
         self.answers: AnswerPool | None = AnswerPool()  # what it generated, for `auto`'s lookup (EnginePool: shared)
         # EnginePool: its slots' draft-model records, by lane (AutoPolicy.slot_records)
         self.slot_records: dict[int, AdaptiveLength] | None = None
+        self.mtp_records: dict[int, AdaptiveLength] | None = None  # ...and of their MTP heads
         self._lock = threading.Lock()
         self._closed = False
 
@@ -137,12 +141,17 @@ class SpeculativeEngine:
         """Open the GGUF files (checked first, and their RAM needs together) and pair them; Medusa heads if given."""
         options = with_snapshots(options or DecoderOptions(), settings or GenerationSettings())
         options = cls.check_files(target_path, draft_path, options, medusa_path, medusa_vocab)
+        options = with_mtp(target_path, options, settings or GenerationSettings())
         target, draft = cls.open_models(target_path, draft_path, options)
+        head = None
         try:
-            engine = cls(target, draft, settings, costs)
+            head = open_mtp(target)
+            engine = cls(target, draft, settings, costs, head)
             engine.load_heads(medusa_path, medusa_vocab)
             return engine
         except BaseException:
+            if head is not None:
+                head.close()
             target.close()
             if draft is not None:
                 draft.close()
@@ -204,8 +213,9 @@ class SpeculativeEngine:
     @staticmethod
     def draft_options(options: DecoderOptions) -> DecoderOptions:
         """A draft model's options: no snapshots, which undo part of a verification batch, while a draft model's
-        rollbacks undo its single-token guesses (a checkpoint does, on recurrent memory: DraftModelProposer)."""
-        return replace(options, n_rs_seq=0)
+        rollbacks undo its single-token guesses (a checkpoint does, on recurrent memory: DraftModelProposer); nor its
+        MTP layers."""
+        return replace(options, n_rs_seq=0, mtp=False)
 
     @staticmethod
     def target_options(options: DecoderOptions, draft_path: str | os.PathLike | None) -> DecoderOptions:
@@ -279,26 +289,31 @@ class SpeculativeEngine:
     def describe(self, s: GenerationSettings) -> str:
         """The models and the method, as banners print them: "target.gguf + draft.gguf, method auto"."""
         models = [self.target.path.name, *([self.draft.path.name] if self.draft else []),
-                  *(["Medusa heads"] if self.medusa else [])]
+                  *(["Medusa heads"] if self.medusa else []), *(["its MTP head"] if self.mtp else [])]
         return f"{' + '.join(models)}, method {self.method_for(s).name}"
 
     def method_for(self, s: GenerationSettings) -> Method:
-        """The method `s` runs on this engine; GGUFSpecError when it needs a model this engine lacks."""
-        name = s.method or ("auto" if self.draft is not None or self.medusa is not None else "autoregressive")
+        """The method `s` runs on this engine; GGUFSpecError when it needs a model this engine lacks. `mtp` without an
+        MTP head runs as `auto` (the load said why: with_mtp)."""
+        drafts = self.draft is not None or self.medusa is not None or self.mtp is not None
+        name = s.method or ("auto" if drafts else "autoregressive")
+        if name == "mtp" and self.mtp is None:
+            name = "auto"
         return get_method(name, self.draft is not None, self.medusa is not None)
 
     def _run(self, prompt: Prompt, s: GenerationSettings) -> Iterator[GenerationResponse]:
         method = self.method_for(s)
         sources = self._sources(method)
         draft = self.draft if "draft" in sources else None  # other methods leave its context as it is
+        mtp = self.mtp if "mtp" in sources else None
         n_ctx = None if s.truncate_prompt else self._n_ctx(draft)
         try:
             tokens = self.encode(prompt, n_ctx)
         except ContextLengthError as e:
             raise ContextLengthError(f"{e} (or allow --truncate-prompt)") from None
         tokens, limit = self._fit(tokens, s, draft)
-        verifier, proposers, policy = self._prepare(method, sources, s, draft)  # before the prefill: see auto_policy
-        meter = _Meter(self.target, draft, Stats(prompt_tokens=len(tokens), method=method.name), policy)
+        verifier, proposers, policy = self._prepare(method, sources, s, draft, mtp)  # before the prefill: auto_policy
+        meter = _Meter(self.target, (draft, mtp), Stats(prompt_tokens=len(tokens), method=method.name), policy)
         out: list[int] = []
         text = TextStream(s.stop)
         reason: StopReason = "interrupted"
@@ -332,7 +347,7 @@ class SpeculativeEngine:
     def _sources(self, method: Method) -> tuple[str, ...]:
         """The proposers `method` drafts from here: not Medusa's trees on recurrent memory (their tokens would sit in
         several sequences at once), which `auto` then leaves out and `medusa` cannot run without."""
-        sources = method.sources(self.draft is not None, self.medusa is not None)
+        sources = method.sources(self.draft is not None, self.medusa is not None, self.mtp is not None)
         if "medusa" in sources and self.target.memory.recurrent:
             if method.name == "medusa":
                 raise GGUFSpecError(f"Medusa heads propose token trees, which {self.target.path.name}'s "
@@ -354,8 +369,8 @@ class SpeculativeEngine:
             d.shift_keep = min(len(tokens), n_ctx // 4) if s.context_shift else None
         return tokens, s.max_tokens if s.context_shift else min(s.max_tokens, n_ctx - len(tokens))
 
-    def _prepare(self, method: Method, sources: tuple[str, ...], s: GenerationSettings,
-                 draft: LlamaCppDecoder | None) -> tuple[Verifier, dict[str, Proposer], Policy]:
+    def _prepare(self, method: Method, sources: tuple[str, ...], s: GenerationSettings, draft: LlamaCppDecoder | None,
+                 mtp: MtpDecoder | None = None) -> tuple[Verifier, dict[str, Proposer], Policy]:
         """This generation's verifier, proposers and policy (one random generator for all: a seed repeats a run)."""
         rng = np.random.default_rng(s.seed)
         tree = self.medusa_tree(s) if "medusa" in sources else None
@@ -364,7 +379,8 @@ class SpeculativeEngine:
         # run uses, and a seed must repeat a run (its text stays the target's either way)
         answers = self.answers if method.answers and s.sampling.greedy else None
         suppressed = np.array(sorted(self.target.vocab.eog_ids), dtype=np.int64) if s.ignore_eos else None
-        setup = Setup(self.target, s.sampling, rng, draft, s.draft_p_min, leaves, self.medusa, tree, answers, suppressed)
+        setup = Setup(self.target, s.sampling, rng, draft, s.draft_p_min, leaves, self.medusa, tree, answers,
+                      suppressed, mtp)
         proposers = {name: PROPOSERS[name].build(setup) for name in sources}
         policy = method.policy(self, s, sources, tree)
         verifier = Verifier(self.target, s.sampling, rng, tree is not None, s.typical, suppressed)
@@ -391,28 +407,32 @@ class SpeculativeEngine:
             sizer = self._sizers[tree.choices] = TreeSizer(tree, costs)
         return sizer
 
-    def auto_policy(self, s: GenerationSettings, model: bool, tree: Tree | None) -> AutoPolicy:
+    def auto_policy(self, s: GenerationSettings, model: bool, tree: Tree | None, mtp: bool = False) -> AutoPolicy:
         """`auto`'s policy, which keeps what it learned across generations; its first run measures the cost model
         (unless one was given), which resets the contexts: call it before the prefill. With Medusa's `tree` (no
-        draft model), the tree's sizer joins it."""
+        draft model), the tree's sizer joins it; with `mtp`, the target's MTP head drafts too."""
         sizer = self.tree_sizer(tree) if tree is not None else None  # first: with no draft, it measures self.costs
-        if self.costs is None or len(self.costs.verify) < s.draft_max + 1:
-            self.costs = cached_measure(self.target, self.draft if model else None, s.draft_max)
-        auto = self._auto.get(model)
+        if self.costs is None or len(self.costs.verify) < s.draft_max + 1 or (mtp and not self.costs.mtp):
+            self.costs = cached_measure(self.target, self.draft if model else None, s.draft_max,
+                                        mtp=self.mtp if mtp else None)
+        auto = self._auto.get((model, mtp))
         if auto is None or auto.k_max != s.draft_max or auto.costs is not self.costs:
-            auto = self._auto[model] = AutoPolicy(self.costs, s.draft_max, model)
+            auto = self._auto[model, mtp] = AutoPolicy(self.costs, s.draft_max, model, mtp=mtp)
         auto.sizer, auto.peers, auto.slot_records = sizer, self.target.peers, self.slot_records
+        auto.mtp_records = self.mtp_records
         return auto
 
     def reset(self) -> None:
-        """Empty both KV caches: the next generation prefills from scratch (no prefix reuse)."""
-        for d in (self.target, self.draft):
+        """Empty every KV cache: the next generation prefills from scratch (no prefix reuse)."""
+        for d in (self.target, self.draft, self.mtp):
             if d is not None:
                 d.reset()
 
     def close(self) -> None:
-        """Free both llama.cpp contexts."""
+        """Free the llama.cpp contexts (the MTP head's before the target's weights it runs)."""
         self._closed = True
+        if self.mtp is not None:
+            self.mtp.close()
         self.target.close()
         if self.draft is not None:
             self.draft.close()
@@ -428,6 +448,39 @@ def with_snapshots(options: DecoderOptions, settings: GenerationSettings) -> Dec
     """`options` with recurrent-state snapshots for the target's chains of up to settings.draft_max drafts (at most
     recurrent.SNAPSHOTS_MAX: longer ones, lookup's copies, are undone from checkpoints); attention models ignore it."""
     return replace(options, n_rs_seq=max(options.n_rs_seq, min(settings.draft_max, SNAPSHOTS_MAX)))
+
+
+def with_mtp(target_path: str | os.PathLike, options: DecoderOptions, settings: GenerationSettings) -> DecoderOptions:
+    """`options` with the target's MTP head loaded (DecoderOptions.mtp) where the model has one, this llama-cpp-python
+    runs it and the method may draft from it (auto, mtp); else without, and one notice line where the model has MTP
+    layers or --method mtp asked for them: what is missing, and what runs instead (`mtp` runs as `auto`; no method
+    is then the default of a model without a head: autoregressive, or auto with a draft model or Medusa heads)."""
+    if settings.method not in (None, "auto", "mtp"):
+        return replace(options, mtp=False)
+    path = Path(target_path).expanduser()
+    header = read_header(path)
+    if options.remote and mtp_layers(header):
+        why: str | None = f"{path.name} has MTP layers, which ggufspec does not run on RPC servers yet"
+    else:
+        why = mtp_unavailable(header, path.name)
+    if why is None:
+        return replace(options, mtp=True)
+    if mtp_layers(header) or settings.method == "mtp":
+        then = {"mtp": "--method mtp runs as auto, without", "auto": "auto drafts without"}.get(settings.method or "",
+                                                                                                "running without")
+        notice(f"{why}: {then} an MTP head")
+    return replace(options, mtp=False)
+
+
+def open_mtp(target: LlamaCppDecoder) -> MtpDecoder | None:
+    """The MTP head of a target loaded with DecoderOptions.mtp (None without; a notice where llama.cpp refuses it)."""
+    if not isinstance(target, LlamaCppDecoder) or target.hidden_rows is None:  # (an RPC target: isolated.py)
+        return None
+    try:
+        return MtpDecoder.open(target)
+    except GGUFSpecError as e:
+        notice(f"{e}: auto drafts without an MTP head")
+        return None
 
 
 def _committed(steps: Iterator[Verdict], stats: Stats, is_stop: Callable[[int], bool]) -> Iterator[tuple[int | None, bool]]:
@@ -448,9 +501,8 @@ class _Meter:
     """A generation's clocks: wall time around the prefill and the steps, and both models' decode time; a spinner
     on a terminal while a long prompt is decoded (waiting); the policy's decision, in the stats at the end."""
 
-    def __init__(self, target: LlamaCppDecoder, draft: LlamaCppDecoder | None, stats: Stats,
-                 policy: Policy | None = None) -> None:
-        self.target, self.draft, self.stats, self.policy = target, draft, stats, policy
+    def __init__(self, target: LlamaCppDecoder, drafters: tuple, stats: Stats, policy: Policy | None = None) -> None:
+        self.target, self.drafters, self.stats, self.policy = target, drafters, stats, policy
         self.t0, self.decoded0 = time.perf_counter(), target.n_decoded_tokens
         self.target0 = self.draft0 = 0.0
         process = getattr(target, "process", None)  # isolated.DecoderProcess: a target on RPC servers
@@ -463,7 +515,7 @@ class _Meter:
         st.prefill_seconds = time.perf_counter() - self.t0
         st.prefill_tokens = self.target.n_decoded_tokens - self.decoded0
         st.cached_tokens = max(0, st.prompt_tokens - 1 - st.prefill_tokens)
-        self.target0, self.draft0 = _busy(self.target), _busy(self.draft)
+        self.target0, self.draft0 = _busy(self.target), sum(map(_busy, self.drafters))
 
     def finish(self, generated: int) -> Stats:
         self.wait.stop()
@@ -474,10 +526,10 @@ class _Meter:
         if st.prefill_seconds:
             st.generation_seconds = time.perf_counter() - self.t0 - st.prefill_seconds
             st.target_seconds = _busy(self.target) - self.target0
-            st.draft_seconds = _busy(self.draft) - self.draft0
+            st.draft_seconds = sum(map(_busy, self.drafters)) - self.draft0
         return st
 
 
-def _busy(d: LlamaCppDecoder | None) -> float:
+def _busy(d: LlamaCppDecoder | MtpDecoder | None) -> float:
     """A decoder's seconds in llama.cpp: its decodes, and its checkpoints on recurrent memory."""
     return d.decode_seconds + d.hold_seconds if d is not None else 0.0

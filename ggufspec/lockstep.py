@@ -38,10 +38,14 @@ class Submission:
     hidden: bool = False  # hidden states too (the context's embeddings are turned on for the batch)
     # the submitting slot's own sequence (its lane): a tree's tokens sit in its leaves' sequences, after it
     lane: int = 0
+    embd: np.ndarray | None = None  # (n, H) an MTP head's input: the hidden row each token is read with (mtp.py)
     # filled by the batch's run
     rc: int = -1  # llama_decode's return code for the whole batch
     logits: np.ndarray | None = None  # (outputs, V) copied rows
     states: np.ndarray | None = None  # (outputs, H) with hidden
+    # the hidden rows llama.cpp keeps for an MTP head: a target's of every token (record_hidden), a head's own of
+    # those with `outputs`
+    nextn: np.ndarray | None = None
     seconds: float = 0.0  # the whole batch's decode time
     batch: int = 0  # tokens in the whole batch, every member's
     done: bool = False  # its batch has run

@@ -21,22 +21,23 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Method:
     """A decoding method. It drafts from each of its `proposers` whose model is loaded (`auto` from Medusa heads
-    only without a draft model); `policy` is built from (engine, settings, the proposers used, Medusa's tree)."""
+    only without a draft model or an MTP head); `policy` is built from (engine, settings, the proposers used, Medusa's
+    tree)."""
 
     name: str
     help: str
     proposers: tuple[str, ...]
     policy: Callable[[Any, Any, tuple[str, ...], Tree | None], Policy]
-    needs: str | None = None  # "draft" or "heads": refuses to run without it
+    needs: str | None = None  # "draft" or "heads": refuses to run without it; "mtp": auto runs instead (engine)
     draft_trees: bool = False  # the draft model proposes trees where the target holds their sequences
     answers: bool = False  # lookup continues earlier answers too (engine.answers) where its policy prices them
 
-    def sources(self, has_draft: bool, has_heads: bool) -> tuple[str, ...]:
+    def sources(self, has_draft: bool, has_heads: bool, has_mtp: bool = False) -> tuple[str, ...]:
         """The proposers this method drafts from with these models loaded."""
-        loaded = {None, "draft" if has_draft else None, "heads" if has_heads else None}
+        loaded = {None, "draft" if has_draft else None, "heads" if has_heads else None, "mtp" if has_mtp else None}
         used = [p for p in self.proposers if PROPOSERS[p].needs in loaded]
-        # Medusa heads draft only where no draft model does (`auto` with both loaded uses the draft model)
-        return tuple(p for p in used if not (p == "medusa" and "draft" in used))
+        # Medusa heads draft only where no draft model or MTP head does (`auto` with both loaded uses those)
+        return tuple(p for p in used if not (p == "medusa" and {"draft", "mtp"} & set(used)))
 
 
 def _plain(engine, s, sources, tree) -> Policy:
@@ -48,7 +49,7 @@ def _fixed(engine, s, sources, tree) -> Policy:
 
 
 def _auto(engine, s, sources, tree) -> Policy:
-    return engine.auto_policy(s, "draft" in sources, tree)
+    return engine.auto_policy(s, "draft" in sources, tree, "mtp" in sources)
 
 
 def _medusa(engine, s, sources, tree) -> Policy:
@@ -60,16 +61,19 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("autoregressive", "one target pass per token", (), _plain),
     Method("vanilla", "draft model chains of --draft-max tokens", ("draft",), _fixed, needs="draft"),
     Method("lookup", "n-grams of the text so far", ("lookup",), _fixed),
-    Method("auto", "lookup, then the draft model (chains or trees) or else --medusa heads (a tree); sizes from a "
-           "measured cost model; off when it cannot pay", ("lookup", "draft", "medusa"), _auto, draft_trees=True,
-           answers=True),
+    Method("auto", "lookup, then the draft model (chains or trees) or the target's MTP head, or else --medusa heads (a "
+           "tree); sizes from a measured cost model; off when it cannot pay", ("lookup", "draft", "mtp", "medusa"),
+           _auto, draft_trees=True, answers=True),
     Method("medusa", "--medusa heads propose a token tree, verified in one target pass", ("medusa",), _medusa,
            needs="heads"),
+    Method("mtp", "the target's own MTP head (multi-token prediction layers: Qwen3.5/3.6) drafts chains of "
+           "--draft-max tokens", ("mtp",), _fixed, needs="mtp"),
 )}
 
 
 def get_method(name: str, has_draft: bool, has_heads: bool) -> Method:
-    """The method called `name`; GGUFSpecError when it is unknown or needs a model that is not loaded."""
+    """The method called `name`; GGUFSpecError when it is unknown or needs a model that is not loaded (`mtp` never:
+    the engine runs `auto` where the target's MTP head cannot draft, and says why)."""
     m = METHODS.get(name)
     if m is None:
         raise GGUFSpecError(f"unknown method {name!r}; choose one of {', '.join(METHODS)}.")

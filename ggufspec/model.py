@@ -26,9 +26,11 @@ class LlamaModel:
 
     def __init__(self, path: Path, header: GGUFHeader, *, n_gpu_layers: int = 0, use_mmap: bool = True,
                  use_mlock: bool = False, repack: bool = True, verbose: bool = False, vocab_only: bool = False,
-                 devices: list[int] | None = None, tensor_split: tuple[float, ...] = ()) -> None:
+                 devices: list[int] | None = None, tensor_split: tuple[float, ...] = (),
+                 load_mtp: bool = False) -> None:
         """`devices`: the ggml devices (addresses) the offloaded layers go to, in place of all of this build's
-        (llama.cpp's default), weighed by `tensor_split`; `vocab_only`: the vocabulary and metadata, no weights."""
+        (llama.cpp's default), weighed by `tensor_split`; `vocab_only`: the vocabulary and metadata, no weights;
+        `load_mtp`: its MTP layers too (llama.cpp skips them by default)."""
         self.path, self.header = path, header
         llama_log.install(verbose)
         self.cpu_backend = cpu_backend.prepare()
@@ -38,6 +40,8 @@ class LlamaModel:
         mparams.use_extra_bufts = repack
         mparams.progress_callback = llama_log.load_progress  # stops the load on Ctrl-C
         mparams.vocab_only = vocab_only
+        if load_mtp:
+            mparams.load_mtp = True
         if devices:
             self._devices = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)  # NULL-terminated, kept alive
             mparams.devices = ctypes.cast(self._devices, ctypes.c_void_p)

@@ -17,9 +17,10 @@ from typing import TypeVar
 
 from .costs import LONG_BATCHES, CostModel, cached_measure, measure_together
 from .decoder import DecoderOptions, LlamaCppDecoder, common_prefix
-from .engine import GenerationResponse, GenerationSettings, Prompt, SpeculativeEngine, with_snapshots
+from .engine import GenerationResponse, GenerationSettings, Prompt, SpeculativeEngine, with_mtp, with_snapshots
 from .errors import GGUFSpecError
 from .lockstep import Lockstep
+from .mtp import MtpDecoder
 from .policy.adaptive import AdaptiveLength
 from .proposers import AnswerPool
 
@@ -89,6 +90,7 @@ class EnginePool:
         options = _off_this_thread((options or DecoderOptions()).resolved)  # a first use probes: see _off_this_thread
         options = with_snapshots(options, settings)
         options = SpeculativeEngine.check_files(target_path, draft_path, options, medusa_path, medusa_vocab, parallel)
+        options = with_mtp(target_path, options, settings)
         if parallel > 1:  # a slot is one KV sequence (LlamaCppDecoder.slots): the draft model proposes chains
             options = replace(options, n_seq_max=1)
         lockstep = Lockstep()
@@ -100,24 +102,29 @@ class EnginePool:
             targets = LlamaCppDecoder.slots(target_path, target_options, parallel, lockstep)
             drafts = (LlamaCppDecoder.slots(draft_path, SpeculativeEngine.draft_options(options), parallel, lockstep,
                                             leads=True) if draft_path else [None] * parallel)
-        engines = [SpeculativeEngine(t, d, settings, costs) for t, d in zip(targets, drafts)]
+        # the target's MTP head: every slot's in one shared context, whose batches lead as the draft model's
+        mtps = MtpDecoder.slots(targets, lockstep) if options.mtp and not options.remote else [None] * parallel
+        engines = [SpeculativeEngine(t, d, settings, costs, m) for t, d, m in zip(targets, drafts, mtps)]
         answers = AnswerPool()  # one for every slot: an answer in one slot drafts for the next request in any
         records: dict[int, AdaptiveLength] = {}  # every slot's draft-model record by lane: following slots price all
+        mtp_records: dict[int, AdaptiveLength] = {}  # ...and their MTP heads' records
         for e in engines:
             e.load_heads(medusa_path, medusa_vocab)
-            e.answers, e.slot_records = answers, records
+            e.answers, e.slot_records, e.mtp_records = answers, records, mtp_records
         if costs is None:  # measured by one slot alone, now: later, the other slots' batches would ride along
             # also the batches of every slot's token and of two each (a plain step and one draft each): interpolated
             # between 5 and 16 tokens, a batch of 8 was priced 10% over its cost on the AMX Xeon, and what the
             # slots' 8-token batches taught bent the price of 16 to 1.8 times its own (docs/benchmarks-parallel.md,
             # run 8)
             sizes = sorted({*LONG_BATCHES, parallel, 2 * parallel})
-            costs = cached_measure(targets[0], drafts[0], settings.draft_max, sizes)
+            costs = cached_measure(targets[0], drafts[0], settings.draft_max, sizes, mtp=mtps[0])
             if parallel > 1:  # and as the slots run them: 1 to 3 tokens of every slot, and the draft model's batch
                 # of every slot's draft token (SharedBatch prices following slots so)
                 costs = replace(costs, slots=parallel, slot_verify=measure_together(lockstep, targets, SLOT_WIDTHS))
                 if drafts[0] is not None:
                     costs.draft_sizes, costs.draft_batches = [parallel], measure_together(lockstep, drafts, (1,))
+                if mtps[0] is not None:  # every slot's MTP step in one batch
+                    costs.mtp_sizes, costs.mtp_batches = [parallel], measure_together(lockstep, mtps, (1,))
             for e in engines:
                 e.costs = costs
         if parallel > 1:  # the target's uneven chains are padded to one length where that costs less
@@ -227,8 +234,11 @@ class EnginePool:
         # the last slot's reference would free each shared context: free them now rather than at collection
         runners = [getattr(d, "_runner", None) for d in (self.engine.target, self.engine.draft)]  # None: own context
         owners = [r.owner for r in runners if r is not None]
+        mtp = self.engine.mtp
         for s in self.slots:
             s.engine.close()
+        if mtp is not None:  # before the target's weights
+            mtp.close_shared()
         for owner in owners:
             owner.close()
 

@@ -113,6 +113,22 @@ def hybrid(tmp_path_factory, tokenizer_fields):
     return get
 
 
+# A tiny qwen35 with one MTP block whose head guesses the target's next token often (tiny_models.mtp_block)
+MTP = HybridConfig("qwen35", mtp=True, trunk=0.1)
+
+
+@pytest.fixture(scope="session")
+def mtp_model(tmp_path_factory, tokenizer_fields) -> tuple[Path, Path]:
+    """(a tiny qwen35 with an MTP block, a draft model: its layers plus noise, without the block), written once."""
+    folder = tmp_path_factory.mktemp("mtp")
+    weights = hybrid_weights(MTP, 49152, seed=0)
+    trunk = {k: v for k, v in weights.items() if not k.startswith(f"blk.{MTP.n_layer}.")}
+    no_mtp = HybridConfig("qwen35", trunk=MTP.trunk)
+    return (write_hybrid_gguf(folder / "tiny-qwen35-mtp.gguf", tokenizer_fields, weights, MTP, "qwen35-mtp"),
+            write_hybrid_gguf(folder / "tiny-qwen35-draft.gguf", tokenizer_fields, noisy_copy(trunk), no_mtp,
+                              "qwen35-draft"))
+
+
 def open_decoder(path: Path, **kw) -> LlamaCppDecoder:
     kw.setdefault("n_ctx", 1024)
     return LlamaCppDecoder(path, DecoderOptions(**kw))

@@ -726,9 +726,9 @@ def test_plain_steps_slowing_with_the_context_do_not_make_drafting_look_cheaper(
 def test_cost_cache_is_per_machine(tiny_target, tiny_draft, tmp_path, monkeypatch) -> None:
     calls, real_machine = [], costs_module.machine
 
-    def counted(target, draft, k_max, long_sizes=costs_module.LONG_BATCHES):
+    def counted(target, draft, k_max, long_sizes=costs_module.LONG_BATCHES, **kw):
         calls.append(k_max)
-        return measure(target, draft, k_max, long_sizes=long_sizes)[0], 1.0  # a quiet measurement, so it is cached
+        return measure(target, draft, k_max, long_sizes=long_sizes, **kw)[0], 1.0  # a quiet measurement: cached
 
     monkeypatch.setenv("GGUFSPEC_CACHE", str(tmp_path))
     monkeypatch.setattr(costs_module, "measure", counted)

@@ -217,7 +217,7 @@ def test_a_generation_begins_priced_beside_the_slots_generating_then(tiny_target
         tb = threading.Thread(target=run_b)
         tb.start()
         began = time.monotonic() + 60  # b's policy is set up before its prefill, which waits for a's next step
-        while b.engine._auto.get(True) is None or b.engine._auto[True].peers != 1:
+        while b.engine._auto.get((True, False)) is None or b.engine._auto[True, False].peers != 1:
             assert time.monotonic() < began, "b did not begin beside a"
             time.sleep(0.01)
         go.set()
@@ -230,8 +230,8 @@ def test_a_generation_begins_priced_beside_the_slots_generating_then(tiny_target
             with pool.slot():
                 assert a.engine.target.peers == b.engine.target.peers == 1
         assert a.engine.target.peers == 0
-        assert a.engine._auto[True].peers == 0  # began alone
-        assert b.engine._auto[True].peers == 1
+        assert a.engine._auto[True, False].peers == 0  # began alone
+        assert b.engine._auto[True, False].peers == 1
         assert a.engine.target.peers == 0
 
 

@@ -121,6 +121,12 @@ class HybridConfig:
     n_group: int = 2  # qwen35's key heads, mamba2's groups
     dt_rank: int = 4  # qwen35's value heads, mamba2's heads
     interval: int = 2
+    # qwen35: one MTP block (nextn) after the layers, as Qwen3.5 carries; `trunk` scales what each layer adds to the
+    # residual stream (small: the target's pick is mostly a function of its last token, which the block then guesses
+    # from its token's embedding), `mtp_mix` is how much of the target's hidden row the block reads beside it
+    mtp: bool = False
+    trunk: float = 1.0
+    mtp_mix: float = 0.1
 
     @property
     def recurrent_layers(self) -> list[bool]:
@@ -171,7 +177,33 @@ def hybrid_weights(cfg: HybridConfig, n_vocab: int, seed: int) -> dict[str, np.n
                   p + "ssm_d": w(cfg.dt_rank, 1, std=1.0),
                   p + "ssm_norm.weight": np.ones((cfg.n_group, d_inner // cfg.n_group), np.float32),
                   p + "ssm_out.weight": w(e, d_inner, std=1 / np.sqrt(d_inner))}
-    return t
+    for name in t if cfg.trunk != 1.0 else ():
+        if name.endswith(("attn_output.weight", "ffn_down.weight", "ssm_out.weight")):
+            t[name] = t[name] * np.float32(cfg.trunk)
+    return t | (mtp_block(cfg, rng) if cfg.mtp else {})
+
+
+def mtp_block(cfg: HybridConfig, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """qwen35's MTP block (llama.cpp's load_block_mtp: a full-attention layer and the nextn tensors) as layer n_layer:
+    its projection reads the token's embedding (1 - mtp_mix) and the target's hidden row (mtp_mix), and its attention
+    and MLP add little, so its logits are mostly the target's output head on its token's embedding."""
+    e, hd, ff, mix = cfg.n_embd, cfg.n_embd // cfg.n_head, cfg.n_ff, cfg.mtp_mix
+    s, p = 1 / np.sqrt(e), f"blk.{cfg.n_layer}."
+
+    def w(*shape: int, std: float) -> np.ndarray:
+        return rng.normal(0, std, size=shape).astype(np.float32)
+
+    ones = lambda n: np.ones(n, np.float32)  # noqa: E731
+    eye = np.eye(e, dtype=np.float32)
+    return {p + "attn_norm.weight": ones(e), p + "post_attention_norm.weight": ones(e),
+            p + "attn_q.weight": w(2 * cfg.n_head * hd, e, std=s), p + "attn_k.weight": w(cfg.n_head_kv * hd, e, std=s),
+            p + "attn_v.weight": w(cfg.n_head_kv * hd, e, std=s), p + "attn_output.weight": w(e, e, std=0.1 * s),
+            p + "attn_q_norm.weight": ones(hd), p + "attn_k_norm.weight": ones(hd),
+            p + "ffn_gate.weight": w(ff, e, std=s), p + "ffn_up.weight": w(ff, e, std=s),
+            p + "ffn_down.weight": w(e, ff, std=0.1 / np.sqrt(ff)),
+            p + "nextn.eh_proj.weight": np.concatenate([(1 - mix) * eye, mix * eye], 1) + w(e, 2 * e, std=0.002),
+            p + "nextn.enorm.weight": ones(e), p + "nextn.hnorm.weight": ones(e),
+            p + "nextn.shared_head_norm.weight": ones(e)}
 
 
 def write_hybrid_gguf(path: Path, tokenizer: list[gguf.ReaderField], weights: dict[str, np.ndarray],
@@ -181,8 +213,10 @@ def write_hybrid_gguf(path: Path, tokenizer: list[gguf.ReaderField], weights: di
     w.add_name(name)
     w.add_context_length(2048)
     w.add_embedding_length(cfg.n_embd)
-    w.add_block_count(cfg.n_layer)
+    w.add_block_count(cfg.n_layer + cfg.mtp)
     w.add_layer_norm_rms_eps(1e-5)
+    if cfg.mtp:
+        w.add_uint32(f"{cfg.arch}.nextn_predict_layers", 1)
     hd = cfg.n_embd // cfg.n_head
     if cfg.arch == "lfm2":  # a layer with no KV heads is a convolution
         w.add_feed_forward_length(cfg.n_ff)

@@ -1,9 +1,10 @@
-"""`auto`'s policy: lookup where the text repeats itself, else the draft model or Medusa's sized tree, else plain
-steps, each chosen where the measured cost model expects it to commit the most tokens a second."""
+"""`auto`'s policy: lookup where the text repeats itself, else the draft model or the target's MTP head (whichever is
+expected to commit more), or Medusa's sized tree, else plain steps, each chosen where the measured cost model expects
+it to commit the most tokens a second."""
 
 from __future__ import annotations
 
-from ..costs import ContextCosts, CostModel, SharedBatch
+from ..costs import ContextCosts, CostModel, MtpPrices, SharedBatch
 from ..decoder import SLOT_CHUNK, common_prefix
 from ..proposers import Context, Draft, Proposer
 from ..proposers.lookup import LONG_MATCH
@@ -15,19 +16,23 @@ from .tree_sizer import TreeSizer
 # The most tokens over which the draft model's catching up is expected to pay back (AutoPolicy._catch_up_pays): an
 # estimate near break-even may turn drafting off again within as many steps, and the next start catches up again
 CATCH_UP_HORIZON = PROBE_EVERY_MAX
-SOURCE_NAMES = {"draft": "draft model", "lookup": "lookup", "medusa": "Medusa tree"}  # for decision()
+SOURCE_NAMES = {"draft": "draft model", "lookup": "lookup", "medusa": "Medusa tree", "mtp": "MTP head"}  # decision()
+MODEL_NAMES = {"draft": "the draft model", "mtp": "the MTP head"}  # the drafting models, as decision() says them
 
 
 class AutoPolicy:
     """Lookup's guess when verifying it pays (priced by how far back its match reaches: a chance n-gram, a phrase said
-    again or a copy starting, a copy), else the draft model when drafting pays, else (with Medusa heads instead of a
+    again or a copy starting, a copy), else the drafting model (the draft model, or the target's MTP head: `mtp`) whose
+    chain is expected to commit the most tokens a second when drafting pays, else (with Medusa heads instead of a
     draft model) the sizer's tree when it pays, else a plain step.
 
     Each source keeps its own acceptance record, and lookup's guesses cost no draft decodes, so lookup can pay on a
-    machine where the draft model cannot. Kept across generations: what it learned carries over (see restart).
+    machine where the draft model cannot; the MTP head is priced at its own steps (costs.MtpPrices). Kept across
+    generations: what it learned carries over (see restart).
     """
 
-    def __init__(self, costs: CostModel, k_max: int, model: bool, sizer: TreeSizer | None = None) -> None:
+    def __init__(self, costs: CostModel, k_max: int, model: bool, sizer: TreeSizer | None = None,
+                 mtp: bool = False) -> None:
         self.k_max, self.sizer = k_max, sizer
         self.context_costs = ContextCosts(costs)
         # each kind of lookup match keeps its own record (one record for all kept lookup off on summaries where
@@ -39,12 +44,13 @@ class AutoPolicy:
         # the answer copies earlier text (LONG_MATCH tokens or more): the only kind whose guesses may run past k_max
         self.copy_length = AdaptiveLength(costs, k_max, prior=COPY_PRIOR, free=True, longer=costs.k_long)
         self.model_length = AdaptiveLength(costs, k_max) if model else None
+        self.mtp_length = AdaptiveLength(MtpPrices(costs), k_max) if mtp else None
         self.source: AdaptiveLength | None = None  # the record whose choice the target is judging
         self._unverified: list[tuple[AdaptiveLength, int, list[int]]] = []  # lookup guesses not verified: see plan
         self._proposed: tuple[AdaptiveLength, int, list[int]] | None = None  # the lookup guess just planned
-        self._records = tuple(r for r in (self.lookup_length, self.phrase_length, self.copy_length, self.model_length)
-                              if r is not None)
-        self.lookup = self.model = None  # this generation's proposers, consulted while planning
+        self._records = tuple(r for r in (self.lookup_length, self.phrase_length, self.copy_length, self.model_length,
+                                          self.mtp_length) if r is not None)
+        self.lookup = self.model = self.mtp = None  # this generation's proposers, consulted while planning
         # the last target batch's tokens per sequence and this slot's sequence there (EnginePool): steps are priced
         # per batch while other slots share it
         self.lanes: tuple[int, ...] = ()
@@ -53,6 +59,8 @@ class AutoPolicy:
         # a pool's slots' draft-model records by lane, this one's too (set by the engine: shared by the pool's slots):
         # following slots price what each of them keeps (SharedBatch)
         self.slot_records: dict[int, AdaptiveLength] | None = None
+        self.mtp_records: dict[int, AdaptiveLength] | None = None  # ...and their MTP heads' records, likewise
+        self._mtp_prices: dict[int, MtpPrices] = {}  # a view per cost model (ContextCosts keeps them)
         # this generation's steps by what drafted them (None: plain), and the steps lookup had a guess at: decision()
         self.steps: dict[str | None, int] = {}
         self.guessed = 0
@@ -67,13 +75,27 @@ class AutoPolicy:
         """The cost model measured at start-up (short context)."""
         return self.context_costs.base
 
-    def price_at(self, n_ctx: int) -> int | None:
+    def models(self) -> list[tuple[str, AdaptiveLength, dict[int, AdaptiveLength] | None]]:
+        """The drafting models: (source name, record, the pool's records of its slots by lane)."""
+        out = [("draft", self.model_length, self.slot_records), ("mtp", self.mtp_length, self.mtp_records)]
+        return [m for m in out if m[1] is not None]
+
+    def _prices(self, record: AdaptiveLength, costs: CostModel) -> CostModel:
+        """`costs` as `record` reads them: the MTP head's record at its own steps' prices."""
+        if record is not self.mtp_length:
+            return costs
+        view = self._mtp_prices.get(id(costs))
+        if view is None or view.base is not costs:
+            view = self._mtp_prices[id(costs)] = MtpPrices(costs)
+        return view
+
+    def price_at(self, n_ctx: int) -> dict[str, int] | None:
         """Price the next steps at the costs learned for a context of n_ctx tokens, in a batch shared with the other
-        slots of the last one. Returns the draft model's planned length where pricing it took it, else None."""
+        slots of the last one. Returns each drafting model's planned length where pricing it took it, else None."""
         costs = self.context_costs.at(n_ctx)
         if not (self.lanes and sum(self.lanes) > self.lanes[self.lane]):  # a batch of its own
             for length in self._records:
-                length.costs = costs
+                length.costs = self._prices(length, costs)
             return None
         # the draft model's choice prices every slot drafting alike (SharedBatch) while each steps next (no other
         # slot's prompt going on): pricing each chain alone beside the others' last ones, two slots swapped turns,
@@ -82,24 +104,24 @@ class AutoPolicy:
         # goes on in step, so those slots step next: priced as still there, a prompt's last chunk made guesses look
         # as if they rode the prompt, and they ran beside 3 plain steps (docs/benchmarks-parallel.md, run 27). With
         # `-b` under SLOT_CHUNK a pool's chunks are shorter, and every one is priced as its prompt's last.
+        # The MTP head's choice is priced so too, on its own records.
         going_on = [i != self.lane and n >= SLOT_CHUNK for i, n in enumerate(self.lanes)]
         steps = not any(going_on)
-        planned = None
-        if self.model_length is not None and steps:
-            records = (self.slot_records or {}).copy()  # one call under the GIL: other slots' threads add to it
+        planned: dict[str, int] | None = {} if steps else None
+        for name, record, slots in self.models() if steps else ():
+            records = (slots or {}).copy()  # one call under the GIL: other slots' threads add to it
             fellows = {i: r.acceptance for i, r in records.items() if i != self.lane}
-            self.model_length.costs = SharedBatch(costs, self.lanes, self.lane, follow=True, fellows=fellows)
-            planned = self.model_length.planned()
+            record.costs = SharedBatch(self._prices(record, costs), self.lanes, self.lane, follow=True, fellows=fellows)
+            planned[name] = record.planned()
         # Lookup's guesses are priced beside the others' steps as the draft model's shared choice makes them (k + 1
         # tokens each, or 1), not as their last chains: those were lookup's guesses too, which rarely continue in
         # step, and a chain priced as evening them out ran, beside plain steps, as a micro-batch of its own; at 8
         # slots that drafting cost a fifth more target time than plain batching (docs/benchmarks-parallel.md, run 8).
-        k = planned or 0
+        k = max(planned.values(), default=0) if planned else 0
         lanes = [n if i == self.lane or going_on[i] else (k + 1 if n else 0) for i, n in enumerate(self.lanes)]
-        shared = SharedBatch(costs, lanes, self.lane)
         for length in self._records:
-            if length is not self.model_length or not steps:
-                length.costs = shared
+            if not steps or all(length is not r for _, r, _ in self.models()):
+                length.costs = SharedBatch(self._prices(length, costs), lanes, self.lane)
         return planned
 
     def begin(self, prompt: list[int], proposers: dict[str, Proposer]) -> set[str]:
@@ -107,7 +129,7 @@ class AutoPolicy:
         expected to draft (often never on CPUs), priced beside the `peers` generating now, each taken to add one
         token a batch: a slot joining a busy pool on a CPU rarely drafts, and the draft's prefill (a tick that
         every slot waits for) would be lost (docs/benchmarks-parallel.md, run 5)."""
-        self.lookup, self.model = proposers["lookup"], proposers.get("draft")
+        self.lookup, self.model, self.mtp = proposers["lookup"], proposers.get("draft"), proposers.get("mtp")
         if self.sizer is not None:
             check_tree(self.sizer, proposers)
         for length in self._records:
@@ -116,13 +138,18 @@ class AutoPolicy:
         self.source = self._proposed = None
         self.steps, self.guessed = {}, 0
         self.lanes, self.lane = ((1,) * (1 + self.peers), 0) if self.peers else ((), 0)
-        return {"draft"} if self.model is not None and self.uses_model(len(prompt) + 1) else set()
+        self.price_at(len(prompt) + 1)
+        return {name for name, record, _ in self.models() if self._proposer(name) is not None and record.planned() > 0}
 
     def uses_model(self, n_ctx: int | None = None) -> bool:
-        """Whether the draft model drafts at this point, or after n_ctx tokens of context (probes aside)."""
+        """Whether a drafting model (the draft model, the MTP head) drafts at this point, or after n_ctx tokens of
+        context (probes aside)."""
         if n_ctx is not None:
             self.price_at(n_ctx)
-        return self.model_length is not None and self.model_length.planned() > 0
+        return any(record.planned() > 0 for _, record, _ in self.models())
+
+    def _proposer(self, name: str) -> Proposer | None:
+        return self.model if name == "draft" else self.mtp
 
     def plan(self, context: Context, room: int, deferred: int) -> Plan:
         nodes = None
@@ -148,7 +175,7 @@ class AutoPolicy:
         self.source = self._proposed = None
         if k <= 0:
             return PLAIN
-        # the draft model's length, priced once a step: _catch_up_pays and choose take it from here
+        # the drafting models' lengths, priced once a step: _catch_up_pays and choose take them from here
         planned = self.price_at(len(context))
         self._judge_unverified(context)
         guess = self.lookup.find(context, k)
@@ -165,24 +192,38 @@ class AutoPolicy:
             return Plan("lookup", n)
         if guess:
             self._unverified.append(judged_later)
-        model = self.model_length
-        if model is not None:
-            planned = model.planned() if planned is None else planned
-            if self._catch_up_pays(context, room, planned):
-                self.source = model
-                n = min(model.choose(planned), k, self.k_max - deferred)
-                if n:
-                    return Plan("draft", n)
-        return PLAIN
+        return self._model_plan(context, room, min(k, self.k_max - deferred), planned)
+
+    def _model_plan(self, context: list[int], room: int, k: int, planned: dict[str, int] | None) -> Plan:
+        """The drafting model whose chain is expected to commit the most tokens a second, of those whose catching up
+        pays (at most k drafts); else a plain step, timed by the first of them (each probes on its own record)."""
+        best: tuple[float, str, AdaptiveLength, int] | None = None
+        first = None
+        for name, record, _ in self.models():
+            proposer = self._proposer(name)
+            at = record.planned() if planned is None else planned[name]
+            if proposer is None or not self._catch_up_pays(proposer, record, context, room, at):
+                continue
+            first = first or record
+            n = min(record.choose(at), k)
+            rate = record.costs.expected_rate(n, record.acceptance) if n else 0.0
+            if n and (best is None or rate > best[0]):
+                best = (rate, name, record, n)
+        if best is None:
+            self.source = first or self.source
+            return PLAIN
+        self.source = best[2]
+        return Plan(best[1], best[3])
 
     def observe(self, plan: Plan, draft: Draft, verdict: Verdict, timing: Timing | None) -> None:
         self.lanes, self.lane = verdict.lanes, verdict.lane
-        if self.slot_records is not None and self.model_length is not None and verdict.lanes:
-            self.slot_records[self.lane] = self.model_length
+        for _, record, slots in self.models() if verdict.lanes else ():
+            if slots is not None:
+                slots[self.lane] = record
         source = plan.source if draft.tokens else None  # a step that drafted nothing ran as a plain one
         self.steps[source] = self.steps.get(source, 0) + 1
         drafted = kept = 0
-        if plan.source in ("lookup", "draft"):
+        if plan.source in ("lookup", "draft", "mtp"):
             drafted, kept = len(draft.tokens), verdict.kept
         elif self.sizer is not None:
             observe_tree(self.sizer, draft, verdict, timing)
@@ -198,9 +239,13 @@ class AutoPolicy:
         if drafted:
             by = ", ".join(f"{SOURCE_NAMES.get(s, s)} {n}" for s, n in sorted(drafted.items(), key=lambda x: -x[1]))
             parts.append(f"drafted on {sum(drafted.values())} of {sum(self.steps.values())} passes ({by})")
-        model = self.model_length
-        if model is not None and "draft" not in drafted:
-            parts.append(f"{'the draft model' if drafted else 'speculation'} off: {self._why_off(model)}")
+        off = [(name, record) for name, record, _ in self.models() if name not in drafted]
+        if len(off) == 1 and not drafted:  # the draft model's as it always said it; the MTP head's named
+            parts.append(f"speculation off: {'the MTP head: ' * (off[0][0] == 'mtp')}{self._why_off(off[0][1])}")
+        elif off:
+            whys = "; ".join(f"{MODEL_NAMES[name]}: {self._why_off(record)}" for name, record in off)
+            parts.append(f"speculation off: {whys}" if not drafted else
+                         "; ".join(f"{MODEL_NAMES[name]} off: {self._why_off(record)}" for name, record in off))
         elif not drafted:
             why = self._why_off(self.lookup_length)
             if self.sizer is not None:
@@ -209,22 +254,24 @@ class AutoPolicy:
         return "; ".join(parts)
 
     def _why_off(self, record: AdaptiveLength) -> str:
-        """Why `record` (the draft model's, or lookup's chance matches) drafted nothing: no guess to verify, what a
+        """Why `record` (a drafting model's, or lookup's chance matches) drafted nothing: no guess to verify, what a
         batch costs here against the best a draft could keep, or against what its drafts were expected to keep."""
-        if record is not self.model_length and not self.guessed:
+        model = any(record is r for _, r, _ in self.models())
+        if not model and not self.guessed:
             return "the text did not repeat itself, so lookup had nothing to guess"
         c, free = record.costs, record.free
         k = c.best_k(OPTIMISTIC, self.k_max, k_min=1, free=free)  # the length most likely to pay
         price = f"a {k + 1}-token batch costs {c.batch_seconds(k + 1) / c.verify[0]:.1f} decodes here"
         if not free:
-            price += f" and a draft token {c.draft / c.verify[0]:.2f}"
+            step = "an MTP step" if record is self.mtp_length else "a draft token"
+            price += f" and {step} {c.draft / c.verify[0]:.2f}"
         gain = SHARED_GAIN if c.shared else MIN_GAIN
         if c.expected_rate(k, OPTIMISTIC, free) < gain * c.expected_rate(0, 0):
             return f"{price}: even drafts kept {OPTIMISTIC:.0%} of the time would not pay"
         if not record.planned():
             return f"{price}: drafts kept {record.acceptance[0]:.0%} of the time (so far) would not pay"
-        if record is self.model_length:
-            return f"{price}: drafting would pay, but not the draft's catching up on the text it has not seen"
+        if model:
+            return f"{price}: drafting would pay, but not the drafter's catching up on the text it has not seen"
         return f"{price}: no guess came where verifying it would pay"
 
     def _withdraw(self) -> None:
@@ -255,15 +302,15 @@ class AutoPolicy:
                 pending.append((record, at, tokens))
         self._unverified = pending
 
-    def _catch_up_pays(self, context: list[int], room: int, k: int) -> bool:
-        """The draft model is not started where catching up on the context it has not seen (charged at a draft step a
-        token, an upper bound) would cost more than drafting can win back: the time its expected gain saves on the
+    def _catch_up_pays(self, proposer: Proposer, m: AdaptiveLength, context: list[int], room: int, k: int) -> bool:
+        """A drafting model (`proposer`, its record `m`) is not started where catching up on the context it has not seen
+        (charged at costs.catch_up a token: a draft model's step, an upper bound; the MTP head's share of a catch-up
+        batch) would cost more than drafting can win back: the time its expected gain saves on the
         tokens left (`room`, at most CATCH_UP_HORIZON), or for a probe, the plain steps between two probes. After a
         long prompt the draft was not prefilled for, a catch-up cost more than those steps could win back; in a
         busy pool, three slots drafting at a gain of 1.05 first caught up on 450 tokens, a 1.2 s tick every slot
         waited on (docs/methods.md; docs/benchmarks-parallel.md, run 12). `k`: the model's planned length."""
-        m = self.model_length
-        cost = self.model.unseen(context) * m.costs.draft
+        cost = proposer.unseen(context) * m.costs.catch_up
         if not cost:
             return True
         if not k:  # a probe, if any
@@ -273,12 +320,16 @@ class AutoPolicy:
         return cost <= saved
 
     def _model_beats_lookup(self, n: int, length: AdaptiveLength) -> bool:
-        """While the draft model drafts, lookup is not free: the draft must still decode every token a lookup
-        step commits before it drafts again. Charged here at a draft step per token (a catch-up batch costs
-        a little less), lookup's guess is verified only if it still beats the model's own proposal."""
-        if not self.uses_model():
-            return False
-        costs, model = self.costs, self.model_length
-        tokens = costs.expected_tokens(n, length.acceptance)  # its last entry: all deeper positions
-        lookup_rate = tokens / (costs.step_seconds(n, free=True) + tokens * costs.draft)
-        return costs.expected_rate(model.planned(), model.acceptance) > lookup_rate
+        """While a drafting model drafts, lookup is not free: the model must still read every token a lookup step
+        commits before it drafts again. Charged here at costs.catch_up per token (a draft model's step: a catch-up
+        batch costs a little less), lookup's guess is verified only if it still beats each model's own proposal."""
+        tokens = self.costs.expected_tokens(n, length.acceptance)  # its last entry: all deeper positions
+        for _, model, _ in self.models():
+            planned = model.planned()
+            if not planned:
+                continue
+            costs = self._prices(model, self.costs)
+            lookup_rate = tokens / (costs.step_seconds(n, free=True) + tokens * costs.catch_up)
+            if costs.expected_rate(planned, model.acceptance) > lookup_rate:
+                return True
+        return False

@@ -114,6 +114,7 @@ class Setup:
     tree: Tree | None = None  # Medusa's static tree, cut to the heads' depth
     answers: AnswerPool | None = None  # earlier answers lookup may continue (auto's: it prices their guesses)
     suppressed: np.ndarray | None = None  # token ids the target never picks (ignore_eos): drafts leave them out
+    mtp: Decoder | None = None  # the target's MTP head (mtp.MtpDecoder)
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,7 @@ class Source:
     """A row of PROPOSERS: how the proposer is built, and the model it needs loaded (None: nothing)."""
 
     build: Callable[[Setup], Proposer]
-    needs: str | None = None  # "draft" or "heads"
+    needs: str | None = None  # "draft", "heads" or "mtp"
     help: str = ""
 
 
@@ -134,6 +135,12 @@ def _draft_model(s: Setup) -> Proposer:
     return DraftModelProposer(s.draft, s.target.n_vocab, s.params, s.rng, s.draft_p_min, s.tree_leaves, s.suppressed)
 
 
+def _mtp(s: Setup) -> Proposer:
+    assert s.mtp is not None
+    # chains, as llama.cpp's draft-mtp: the heads served are qwen35's, whose hybrid memory holds no token trees
+    return MtpProposer(s.mtp, s.target.n_vocab, s.params, s.rng, s.draft_p_min, 0, s.suppressed)
+
+
 def _medusa(s: Setup) -> Proposer:
     assert s.heads is not None and s.tree is not None
     return MedusaProposer(s.heads, s.tree)
@@ -143,9 +150,11 @@ def _medusa(s: Setup) -> Proposer:
 from .draft_model import DraftModelProposer  # noqa: E402
 from .lookup import AnswerPool, LookupProposer  # noqa: E402
 from .medusa import MedusaProposer  # noqa: E402
+from .mtp import MtpProposer  # noqa: E402
 
 PROPOSERS: dict[str, Source] = {
     "lookup": Source(_lookup, help="n-grams of the text so far"),
     "draft": Source(_draft_model, "draft", "a draft model's chains or trees"),
     "medusa": Source(_medusa, "heads", "Medusa heads on the target's hidden state, a token tree"),
+    "mtp": Source(_mtp, "mtp", "the target's own MTP head (multi-token prediction layers), chains"),
 }
