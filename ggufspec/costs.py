@@ -657,8 +657,10 @@ def cached_measure(target: LlamaCppDecoder, draft: LlamaCppDecoder | None, k_max
 
 def _what(k_max: int, draft: Decoder | None, mtp: Decoder | None = None) -> str:
     """What measure() times, for the notices: why the wait."""
-    drafts = "".join(x for x, d in ((", a draft token", draft), (", the MTP head's steps", mtp)) if d is not None)
-    return f"the target's batches of 1 to {k_max + 1} tokens and longer ones{drafts}, 5 rounds each"
+    parts = [f"the target's batches of 1 to {k_max + 1} tokens and longer ones",
+             *(x for x, d in (("a draft token", draft), ("the MTP head's steps", mtp)) if d is not None)]
+    listed = ", ".join(parts[:-1]) + ", and " + parts[-1] if len(parts) > 1 else parts[0]
+    return f"{listed}, 5 rounds each"
 
 
 def _tries(target: LlamaCppDecoder, draft: Decoder | None, k_max: int, long_sizes: Sequence[int], tries: int,

@@ -24,7 +24,8 @@ from .proposers.lookup import LookupProposer
 from .verifier import Verdict
 
 # the methods that draft with a draft model or lookup (or not at all), and the per-step oracle
-POLICIES = tuple(m.name for m in METHODS.values() if m.needs != "heads") + ("oracle",)
+# what a recording of the draft model's guesses can price: not Medusa's heads, nor an MTP head (neither recorded)
+POLICIES = tuple(m.name for m in METHODS.values() if m.needs in (None, "draft")) + ("oracle",)
 
 
 @dataclass

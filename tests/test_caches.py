@@ -73,9 +73,9 @@ def measured(tmp_path, monkeypatch) -> list[int]:
     that it is cached however busy this machine is)."""
     calls: list[int] = []
 
-    def quiet(target, draft, k_max, long_sizes=LONG_BATCHES):
+    def quiet(target, draft, k_max, long_sizes=LONG_BATCHES, mtp=None):
         calls.append(k_max)
-        return measure(target, draft, k_max, long_sizes=long_sizes)[0], 1.0
+        return measure(target, draft, k_max, long_sizes=long_sizes, mtp=mtp)[0], 1.0
 
     monkeypatch.setenv("GGUFSPEC_CACHE", str(tmp_path))
     monkeypatch.setattr(costs_module, "measure", quiet)
@@ -148,7 +148,8 @@ def test_a_cached_entry_holds_no_pool_s_batches(decoders, measured) -> None:
     for pool in ({"draft_sizes": [4], "draft_batches": [0.01]}, {"slots": 4, "slot_verify": [0.1]},
                  {"shapes": {"(2, 1)": 0.1}}):
         assert check_costs({**asdict(plain), **pool}, K_MAX) == (
-            "a pool's batches (draft_sizes, draft_batches, slots, slot_verify, shapes): expected none")
+            "a pool's batches (draft_sizes, draft_batches, slots, slot_verify, shapes, mtp_sizes, mtp_batches): "
+            "expected none")
 
 
 def test_a_measured_entry_passes_the_check(decoders, measured) -> None:
@@ -209,8 +210,8 @@ def busy(tmp_path, monkeypatch) -> list[float]:
     """costs.json in tmp_path, measure()'s timer busy (BusyClock); the spread of every real measurement taken."""
     spreads: list[float] = []
 
-    def counted(target, draft, k_max, long_sizes=LONG_BATCHES):
-        model, spread = measure(target, draft, k_max, long_sizes=long_sizes)
+    def counted(target, draft, k_max, long_sizes=LONG_BATCHES, mtp=None):
+        model, spread = measure(target, draft, k_max, long_sizes=long_sizes, mtp=mtp)
         spreads.append(spread)
         return model, spread
 
@@ -267,7 +268,7 @@ def test_a_noisy_entry_is_refined_by_one_try_once_it_is_old(decoders, busy, monk
     capsys.readouterr()
     # a quiet try that finds the first batch size faster and the others slower than the noisy entry says
     tried = replace(noisy, verify=[noisy.verify[0] / 2, *(v * 2 for v in noisy.verify[1:])], draft=noisy.draft * 2)
-    monkeypatch.setattr(costs_module, "measure", lambda target, draft, k_max, long_sizes=LONG_BATCHES: (tried, 1.0))
+    monkeypatch.setattr(costs_module, "measure", lambda target, draft, k_max, long_sizes=LONG_BATCHES, mtp=None: (tried, 1.0))
 
     refined = costs_module.cached_measure(*decoders, K_MAX)
     assert capsys.readouterr().err.startswith("ggufspec: measuring the batch costs for auto again: the cached ones (")
@@ -302,8 +303,8 @@ def test_two_measurements_at_once_keep_both_entries(tiny_target, tmp_path, monke
     """Both threads read the (empty) table before either writes: each write must merge, not replace."""
     both_measured = threading.Barrier(2)
 
-    def measure_then_wait(target, draft, k_max, long_sizes=LONG_BATCHES):
-        model = measure(target, draft, k_max, long_sizes=long_sizes)[0]
+    def measure_then_wait(target, draft, k_max, long_sizes=LONG_BATCHES, mtp=None):
+        model = measure(target, draft, k_max, long_sizes=long_sizes, mtp=mtp)[0]
         both_measured.wait(timeout=300)
         return model, 1.0
 
