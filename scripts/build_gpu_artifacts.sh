@@ -141,6 +141,13 @@ manifest() {
         (cd "$DEST" && find . -type f | sort | xargs du -b | awk '{s += $1; print} END {print s, "bytes in all"}')
     } > "$DEST/MANIFEST.txt"
     cat "$DEST/MANIFEST.txt"
+    # a device call carries the checkout's tracked (and untracked, not ignored) files too: 64 MiB in all
+    local tracked payload
+    tracked=$(git -C "$REPO" ls-files -z --cached --others --exclude-standard | (cd "$REPO" && xargs -0 du -cb) \
+        | tail -1 | cut -f1)
+    payload=$(du -sb "$DEST" | cut -f1)
+    say "a call carrying $DEST from $REPO sends $((tracked + payload)) bytes ($tracked of the checkout's files):" \
+        "$(( (67108864 - tracked - payload) / 1024 )) KiB under the 64 MiB limit"
 }
 
 sdist

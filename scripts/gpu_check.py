@@ -50,6 +50,8 @@ class Check:
         self.results: dict = {"options": {k: v for k, v in vars(a).items() if k != "func"}}
         self.log = open(self.out / "log.txt", "a", encoding="utf-8")
         self.py = sys.executable
+        for name in ("bench.txt", "textcheck.json", "overhead.txt", "overhead.jsonl"):  # an earlier call's, if any
+            (self.work / name).unlink(missing_ok=True)
 
     def left(self) -> float:
         return self.a.deadline - (time.monotonic() - self.t0)
@@ -104,7 +106,11 @@ class Check:
     def report(self) -> None:
         self.results["steps"] = self.steps
         (self.out / "results.json").write_text(json.dumps(self.results, indent=1))
-        (self.out / "gpu.md").write_text(render(self))
+        try:
+            text = render(self)
+        except Exception as e:  # the measurements are in results.json: a report that cannot be drawn loses none
+            text = f"the report failed ({e!r}); results.json holds every measurement\n"
+        (self.out / "gpu.md").write_text(text)
 
 
 # --- steps ---------------------------------------------------------------------------------------------------------
@@ -122,7 +128,8 @@ def step_env(c: Check) -> bool:
 def step_pair(c: Check) -> bool:
     if c.target.exists() and c.draft.exists():
         c.say(f"pair: {c.target} and {c.draft} exist, kept")
-        rec = {"status": "ok"}
+        rec = {"step": "pair", "status": "ok", "seconds": 0.0, "budget_s": 0, "tail": "kept from an earlier call"}
+        c.steps.append(rec)
     else:
         noisy = ["--draft-out", str(c.draft), "--noise", str(c.a.draft_noise)] if c.a.draft_noise else []
         rec = c.run("pair", [c.py, str(SCRIPTS / "gpu_pair.py"), str(DRAFT), str(c.target), "--widen", str(c.a.widen),
@@ -193,6 +200,8 @@ def step_textcheck(c: Check) -> bool:
 def step_overhead(c: Check) -> bool:
     if c.left() < c.a.budget_overhead + REPORT_RESERVE:
         c.say(f"overhead: skipped ({c.left():.0f} s left, its budget is {c.a.budget_overhead} s)")
+        c.steps.append({"step": "overhead", "status": "skipped: no time left", "seconds": 0.0,
+                        "budget_s": round(c.a.budget_overhead)})
         return True
     out = c.work / "overhead.jsonl"
     rec = c.run("overhead", [c.py, str(SCRIPTS / "bench_overhead.py"), "--target", str(c.target), "--draft", str(c.draft),
@@ -266,7 +275,7 @@ def textcheck_lines(tc: dict) -> list[str]:
            "|---|---|---|---|---|---|"]
     for k, v in tc["summary"].items():
         out.append(f"| {k} | {v['equal']}/{v['total']} | {v['near_tie']} | {v['not_near_tie']} | {v['length']} "
-                   f"| {v['unclassified']} |")
+                   f"| {v.get('unclassified', 0)} |")
     bad = [d for d in tc["divergences"] if d["class"] == "not a near-tie"]
     for d in bad[:12]:
         out.append(f"- not a near-tie: {d['what']} at token {d['token']}: gap {d['gap']:.3f} "
