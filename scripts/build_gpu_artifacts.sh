@@ -7,16 +7,18 @@
 #       the driver's libcuda.so.1, the builds (build-cuda/), a Python 3.12 venv for the dry run (venv312/)
 #   $DEST (default .gpu in the repository root, ignored by .gitignore): what a device call carries
 #       llama.tar.xz    llama_cpp/ (llama-cpp-python's Python files) with lib/: libllama, libggml* (CUDA), llama-server
-#       llama-src.tar.xz  (cuda only) llama.cpp's source for a fallback build on the device, if this build fails there
+#       llama-src.tar.xz  (cuda, src) llama.cpp's source and llama_cpp/'s Python files, for a build on the device
 #       whl/            cp312 wheels of everything ggufspec, its server and gguf import, but numpy (the device has it)
 #       bench/          the first 24 lines of ../shared/bench's two sets (bench_parallel.py reads them there)
 #       prompts.jsonl   `ggufspec bench`'s prompts: 4 HumanEval and 4 Spec-Bench
 #       widen_gguf.py   ../shared/tools/widen_gguf.py (scripts/gpu_pair.py imports its `widen`)
 #       MANIFEST.txt    what was built, how, and the sizes
 #
-# Usage: scripts/build_gpu_artifacts.sh [cuda|cpu]   (default cuda)
+# Usage: scripts/build_gpu_artifacts.sh [cuda|src|cpu]   (default cuda)
 #   cuda  configure and build llama.cpp with CUDA for sm_90 (H100/H200) into $WORK/build-cuda, pack it into $DEST.
-#         About N hours at nice 19 on 2 busy cores (docs/gpu.md); a rerun rebuilds only what changed.
+#         Hours at nice 19 on 2 busy cores (docs/gpu.md); a rerun goes on from what is built.
+#   src   no build here: $DEST holds the source, and scripts/gpu_check.sh builds it on the device (minutes of the
+#         device's time: docs/gpu.md).
 #   cpu   pack an existing CPU build ($CPU_BUILD, default /tmp/lcpp-build, else built here) into $DEST (default
 #         $WORK/payload-cpu): the payload of the CPU dry run (docs/gpu.md).
 # Env: WORK, DEST, JOBS (default 2), CPU_BUILD.
@@ -94,9 +96,10 @@ build_cpu() {
     BUILD_BIN=$b/bin
 }
 
-pack_src() {  # the source of the fallback build on the device (scripts/gpu_check.sh), when the build above fails there
+pack_src() {  # llama.cpp's source and llama-cpp-python's Python files: the build on the device (scripts/gpu_check.sh)
     say "pack $DEST/llama-src.tar.xz"
-    tar -C "$SDIST/vendor" "${SRC_EXCLUDES[@]}" -cf - llama.cpp | nice -n 19 xz -9 -T"$JOBS" > "$DEST/llama-src.tar.xz"
+    tar "${SRC_EXCLUDES[@]}" --exclude=llama_cpp/server -cf - -C "$SDIST/vendor" llama.cpp -C "$SDIST" llama_cpp \
+        | nice -n 19 xz -9 -T"$JOBS" > "$DEST/llama-src.tar.xz"
 }
 
 pack_llama() {  # llama_cpp/ with lib/ (stripped; symlinks kept) and llama-server beside the libraries
@@ -136,7 +139,7 @@ prompts() {
 manifest() {
     {
         echo "made $(date -u +%Y-%m-%dT%H:%MZ) by scripts/build_gpu_artifacts.sh $MODE at $(git -C "$REPO" rev-parse --short HEAD)"
-        echo "llama.cpp: vendored in llama-cpp-python $LCPP_VERSION's sdist; lib/ from $BUILD_BIN"
+        echo "llama.cpp: vendored in llama-cpp-python $LCPP_VERSION's sdist; lib/ from ${BUILD_BIN:-nowhere: built on the device}"
         [ "$MODE" = cuda ] && echo "cmake: ${CUDA_FLAGS[*]}" && echo "nvcc: $("$CUDA_HOME/bin/nvcc" --version | tail -1)"
         (cd "$DEST" && find . -type f | sort | xargs du -b | awk '{s += $1; print} END {print s, "bytes in all"}')
     } > "$DEST/MANIFEST.txt"
@@ -151,9 +154,12 @@ manifest() {
 }
 
 sdist
-if [ "$MODE" = cuda ]; then build_cuda; else build_cpu; fi
-pack_llama
-[ "$MODE" = cuda ] && pack_src
+case $MODE in
+    cuda) build_cuda; pack_llama; pack_src ;;
+    src) rm -f "$DEST/llama.tar.xz"; pack_src ;;
+    cpu) build_cpu; pack_llama ;;
+    *) echo "usage: $0 [cuda|src|cpu]" >&2; exit 2 ;;
+esac
 wheels
 prompts
 manifest
