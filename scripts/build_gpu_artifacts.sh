@@ -21,7 +21,8 @@
 #         device's time: docs/gpu.md).
 #   cpu   pack an existing CPU build ($CPU_BUILD, default /tmp/lcpp-build, else built here) into $DEST (default
 #         $WORK/payload-cpu): the payload of the CPU dry run (docs/gpu.md).
-# Env: WORK, DEST, JOBS (default 2), CPU_BUILD.
+# Env: WORK, DEST, JOBS (default 2), CPU_BUILD, LLAMA_FROM (cuda: take libllama, libmtmd and llama-server from this
+# folder of a build of the same source, e.g. /tmp/lcpp-build/bin, and build only ggml's libraries here).
 set -euo pipefail
 MODE=${1:-cuda}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -80,8 +81,13 @@ build_cuda() {
         -DCMAKE_CUDA_COMPILER="$CUDA_HOME/bin/nvcc" -DCUDA_cuda_driver_LIBRARY="$WORK/stubs/libcuda.so" \
         -DCMAKE_LIBRARY_PATH="$WORK/cublas/lib" -DCMAKE_CUDA_FLAGS="-I$WORK/cublas/include" \
         -DCMAKE_CXX_FLAGS="-I$WORK/cublas/include" > "$WORK/build-cuda.configure.log"
-    say "build (nice 19, -j$JOBS): log $WORK/build-cuda.log"
-    nice -n 19 ninja -C "$b" -j"$JOBS" "${CUDA_TARGETS[@]}" > "$WORK/build-cuda.log"
+    local targets=("${CUDA_TARGETS[@]}")
+    # LLAMA_FROM: llama.cpp's own libraries and llama-server from another build of the same source (a CPU one): they
+    # hold no backend code (no GGML_USE_* in src/, common/, tools/server/) and load whichever libggml sits beside
+    # them, so only ggml's libraries are built here, an hour less at nice 19 on two cores
+    [ -n "${LLAMA_FROM:-}" ] && targets=(ggml-cuda ggml ggml-rpc)
+    say "build ${targets[*]} (nice 19, -j$JOBS): log $WORK/build-cuda.log"
+    nice -n 19 ninja -C "$b" -j"$JOBS" "${targets[@]}" > "$WORK/build-cuda.log"
     BUILD_BIN=$b/bin
 }
 
@@ -106,9 +112,10 @@ pack_llama() {  # llama_cpp/ with lib/ (stripped; symlinks kept) and llama-serve
     local t=$WORK/pack
     rm -rf "$t" && mkdir -p "$t/llama_cpp/lib"
     cp "$SDIST"/llama_cpp/*.py "$SDIST/llama_cpp/py.typed" "$t/llama_cpp/"
-    cp -a "$BUILD_BIN"/lib{ggml,llama,mtmd}*.so* "$t/llama_cpp/lib/"
+    local llama=${LLAMA_FROM:-$BUILD_BIN}
+    cp -a "$BUILD_BIN"/libggml*.so* "$llama"/lib{llama,mtmd}*.so* "$t/llama_cpp/lib/"
     rm -f "$t"/llama_cpp/lib/libllama-cli-impl.so*
-    cp "$BUILD_BIN/llama-server" "$t/llama_cpp/lib/"
+    cp "$llama/llama-server" "$t/llama_cpp/lib/"
     find "$t/llama_cpp/lib" -type f \( -name '*.so*' -o -name llama-server \) -exec strip --strip-unneeded {} +
     say "pack $DEST/llama.tar.xz ($(du -sb "$t/llama_cpp/lib" | cut -f1) bytes unpacked)"
     tar -C "$t" -cf - llama_cpp | nice -n 19 xz -9e -T"$JOBS" > "$DEST/llama.tar.xz"
@@ -140,6 +147,7 @@ manifest() {
     {
         echo "made $(date -u +%Y-%m-%dT%H:%MZ) by scripts/build_gpu_artifacts.sh $MODE at $(git -C "$REPO" rev-parse --short HEAD)"
         echo "llama.cpp: vendored in llama-cpp-python $LCPP_VERSION's sdist; lib/ from ${BUILD_BIN:-nowhere: built on the device}"
+        [ -n "${LLAMA_FROM:-}" ] && echo "libllama*, libmtmd*, llama-server from $LLAMA_FROM"
         [ "$MODE" = cuda ] && echo "cmake: ${CUDA_FLAGS[*]}" && echo "nvcc: $("$CUDA_HOME/bin/nvcc" --version | tail -1)"
         (cd "$DEST" && find . -type f | sort | xargs du -b | awk '{s += $1; print} END {print s, "bytes in all"}')
     } > "$DEST/MANIFEST.txt"
