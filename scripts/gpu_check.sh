@@ -55,14 +55,29 @@ say "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
 # (docs/gpu.md). GPU_CHECK_EXPECT=CPU (the dry run) skips this.
 probe=$($PY scripts/gpu_check.py devices 2>&1)
 say "devices: $(echo "$probe" | tail -4 | tr '\n' ';')"
+command -v nvcc > /dev/null || export PATH=$PATH:/usr/local/cuda/bin
 if [ "${GPU_CHECK_EXPECT:-CUDA}" = CUDA ] && ! grep -q "^device CUDA" <<< "$probe"; then
     if [ -f "$PAYLOAD/llama-src.tar.xz" ] && command -v nvcc > /dev/null; then
         . scripts/gpu_build_flags.sh
         say "no CUDA device through a carried build: building llama.cpp here ($(nproc) cores), log $WORK/build.log"
         mkdir -p "$WORK/src" "$LIB" && tar -xJf "$PAYLOAD/llama-src.tar.xz" -C "$WORK/src" \
             && cp -n "$WORK/src/llama_cpp"/*.py "$SITE/llama_cpp/"
+        hints=()  # a toolkit without cuBLAS or the driver stub (as pip lays CUDA out): point CMake at what there is
+        cublas=$(for d in ${cuda_dirs//:/ }; do [ -e "$d/libcublas.so.13" ] && echo "$d" && break; done)
+        if [ -n "$cublas" ] && [ ! -e "$(dirname "$(command -v nvcc)")/../lib64/libcublas.so" ]; then
+            mkdir -p "$WORK/link" && ln -sf "$cublas/libcublas.so.13" "$WORK/link/libcublas.so" \
+                && ln -sf "$cublas/libcublasLt.so.13" "$WORK/link/libcublasLt.so"
+            hints+=("-DCMAKE_LIBRARY_PATH=$WORK/link" "-DCMAKE_CUDA_FLAGS=-I$cublas/../include"
+                    "-DCMAKE_CXX_FLAGS=-I$cublas/../include")
+        fi
+        driver=$(ldconfig -p 2>/dev/null | awk '/libcuda\.so\.1 /{print $NF; exit}')
+        [ -z "$driver" ] && driver=$(ls /usr/local/nvidia/lib64/libcuda.so.1 /usr/lib/x86_64-linux-gnu/libcuda.so.1 2>/dev/null | head -1)
+        [ -n "$driver" ] && [ ! -e "$(dirname "$(command -v nvcc)")/../lib64/stubs/libcuda.so" ] \
+            && hints+=("-DCUDA_cuda_driver_LIBRARY=$driver")
+        say "build hints: ${hints[*]:-none}"
         # shellcheck disable=SC2086
-        cmake -S "$WORK/src/llama.cpp" -B "$WORK/build" -G Ninja "${CUDA_FLAGS[@]}" ${GPU_CHECK_BUILD_FLAGS--DGGML_CUDA_FA=OFF} \
+        cmake -S "$WORK/src/llama.cpp" -B "$WORK/build" -G Ninja "${CUDA_FLAGS[@]}" "${hints[@]}" \
+            ${GPU_CHECK_BUILD_FLAGS--DGGML_CUDA_FA=OFF} \
             > "$WORK/build.log" 2>&1 && ninja -C "$WORK/build" -j"$(nproc)" "${CUDA_TARGETS[@]}" >> "$WORK/build.log" 2>&1 \
             && cp -a "$WORK/build/bin"/lib*.so* "$WORK/build/bin/llama-server" "$LIB/" \
             || { tail -30 "$WORK/build.log" | tee -a "$OUT/log.txt"; say "the build here failed"; }
