@@ -68,6 +68,7 @@ cuda_link_deps() {  # what linking ggml-cuda needs that this machine's pip-insta
             | sed 's/.*/void &(void) {}/' > "$WORK/stubs/cuda_stub.c"
         gcc -shared -fPIC -o "$WORK/stubs/libcuda.so" -Wl,-soname,libcuda.so.1 "$WORK/stubs/cuda_stub.c"
     fi
+    ln -sf libcuda.so "$WORK/stubs/libcuda.so.1"  # what the linker looks for behind libggml-cuda (llama-server)
 }
 
 . "$REPO/scripts/gpu_build_flags.sh"  # CUDA_FLAGS, CUDA_TARGETS, SRC_EXCLUDES
@@ -80,7 +81,8 @@ build_cuda() {
     nice -n 19 cmake -S "$SDIST/vendor/llama.cpp" -B "$b" -G Ninja "${CUDA_FLAGS[@]}" \
         -DCMAKE_CUDA_COMPILER="$CUDA_HOME/bin/nvcc" -DCUDA_cuda_driver_LIBRARY="$WORK/stubs/libcuda.so" \
         -DCMAKE_LIBRARY_PATH="$WORK/cublas/lib" -DCMAKE_CUDA_FLAGS="-I$WORK/cublas/include" \
-        -DCMAKE_CXX_FLAGS="-I$WORK/cublas/include" > "$WORK/build-cuda.configure.log"
+        -DCMAKE_CXX_FLAGS="-I$WORK/cublas/include" \
+        -DCMAKE_EXE_LINKER_FLAGS="-Wl,-rpath-link,$WORK/cublas/lib:$WORK/stubs" > "$WORK/build-cuda.configure.log"
     local targets=("${CUDA_TARGETS[@]}")
     # LLAMA_FROM: llama.cpp's own libraries and llama-server from another build of the same source (a CPU one): they
     # hold no backend code (no GGML_USE_* in src/, common/, tools/server/) and load whichever libggml sits beside

@@ -74,6 +74,8 @@ if [ "${GPU_CHECK_EXPECT:-CUDA}" = CUDA ] && ! grep -q "^device CUDA" <<< "$prob
         [ -z "$driver" ] && driver=$(ls /usr/local/nvidia/lib64/libcuda.so.1 /usr/lib/x86_64-linux-gnu/libcuda.so.1 2>/dev/null | head -1)
         [ -n "$driver" ] && [ ! -e "$(dirname "$(command -v nvcc)")/../lib64/stubs/libcuda.so" ] \
             && hints+=("-DCUDA_cuda_driver_LIBRARY=$driver")
+        # llama-server's link looks for libggml-cuda's own needs (cuBLAS, the driver) by name
+        hints+=("-DCMAKE_EXE_LINKER_FLAGS=-Wl,-rpath-link,$cuda_dirs${driver:+:$(dirname "$driver")}")
         say "build hints: ${hints[*]:-none}"
         # shellcheck disable=SC2086
         cmake -S "$WORK/src/llama.cpp" -B "$WORK/build" -G Ninja "${CUDA_FLAGS[@]}" "${hints[@]}" \
