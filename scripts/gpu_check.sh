@@ -8,7 +8,7 @@
 # build needs (cuBLAS 13, the CUDA runtime), then runs scripts/gpu_check.py's steps, which write gpu.md, results.json,
 # bench.json, parallel.jsonl and log.txt into $OUT. Everything ends inside GPU_CHECK_DEADLINE seconds (default 300)
 # from this script's start. Where no build was carried, or the carried one sees no CUDA device, it builds llama.cpp
-# from the carried source first (below). The CPU dry run is the same script with a CPU payload and small sizes (docs/gpu.md).
+# from the carried source first (below). The CPU dry run is the same script with small sizes (docs/gpu.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -50,14 +50,15 @@ say "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
 
 # The build here: where no build was carried (a payload of `build_gpu_artifacts.sh src`), or the carried one does not
 # load or sees no CUDA device, build llama.cpp from the carried source (llama-src.tar.xz) on every core, with
-# GPU_CHECK_BUILD_FLAGS added (default: no flash attention, which halves the build), and use its libraries and
-# llama-server. It takes minutes of the deadline: give such a call GPU_CHECK_DEADLINE=560 and timeout_s=600
-# (docs/gpu.md). GPU_CHECK_EXPECT=CPU (the dry run) skips this.
+# GPU_CHECK_BUILD_FLAGS added (default: no flash attention, whose kernels' bodies are then compiled out), and use its
+# libraries and llama-server. Only where nvidia-smi sees a GPU: a build cannot mend a machine without one. It takes
+# minutes of the deadline: give such a call GPU_CHECK_DEADLINE=560 and timeout_s=600 (docs/gpu.md).
+# GPU_CHECK_EXPECT=CPU (the dry run) skips this.
 probe=$($PY scripts/gpu_check.py devices 2>&1)
 say "devices: $(echo "$probe" | tail -4 | tr '\n' ';')"
 command -v nvcc > /dev/null || export PATH=$PATH:/usr/local/cuda/bin
 if [ "${GPU_CHECK_EXPECT:-CUDA}" = CUDA ] && ! grep -q "^device CUDA" <<< "$probe"; then
-    if [ -f "$PAYLOAD/llama-src.tar.xz" ] && command -v nvcc > /dev/null; then
+    if [ -f "$PAYLOAD/llama-src.tar.xz" ] && command -v nvcc > /dev/null && nvidia-smi -L > /dev/null 2>&1; then
         . scripts/gpu_build_flags.sh
         say "no CUDA device through a carried build: building llama.cpp here ($(nproc) cores), log $WORK/build.log"
         mkdir -p "$WORK/src" "$LIB" && tar -xJf "$PAYLOAD/llama-src.tar.xz" -C "$WORK/src" \
@@ -85,7 +86,7 @@ if [ "${GPU_CHECK_EXPECT:-CUDA}" = CUDA ] && ! grep -q "^device CUDA" <<< "$prob
             || { tail -30 "$WORK/build.log" | tee -a "$OUT/log.txt"; say "the build here failed"; }
         say "after the build, devices: $($PY scripts/gpu_check.py devices 2>&1 | tail -4 | tr '\n' ';')"
     else
-        say "no CUDA device, and no source or nvcc to build one: the check runs on what it has"
+        say "no CUDA device, and no GPU, source or nvcc to build for one: the check runs on what it has"
     fi
 fi
 missing=$(ldd "$LIB"/libggml*.so "$LIB/llama-server" 2>&1 | grep "not found" | sort -u)
