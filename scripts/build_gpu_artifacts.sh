@@ -142,7 +142,7 @@ prompts() {
     paste -d '\n' <(head -n 4 "$SHARED/bench/humaneval_dev.jsonl") \
         <(for cat in writing roleplay math coding; do
               grep -m1 "\"category\": \"$cat\"" "$SHARED/bench/spec_bench_dev.jsonl"; done) > "$DEST/prompts.jsonl"
-    cp "$SHARED/tools/widen_gguf.py" "$DEST/"
+    install -m 644 "$SHARED/tools/widen_gguf.py" "$DEST/"
 }
 
 manifest() {
