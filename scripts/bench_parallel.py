@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shlex
 import socket
 import statistics
@@ -26,7 +27,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "shared" / "bench"
+# ../shared/bench beside the checkout; GGUFSPEC_BENCH_DIR names another folder of the same two files (the GPU check
+# carries a few prompts of each, as ../shared does not travel to the device machine)
+BENCH = Path(os.environ.get("GGUFSPEC_BENCH_DIR") or Path(__file__).resolve().parents[2] / "shared" / "bench")
 
 
 def prompts(n: int, start: int = 0) -> list[str]:
