@@ -340,7 +340,7 @@ class SharedBatch(CostModel):
 
     With `follow`, every slot in the batch is priced as drafting the same k: the draft model's choice while every
     slot is on steps. One slot's chain beside plain steps runs as a micro-batch of its own, so alone no slot would
-    start drafting, even where all drafting together pays (where repacked kernels run 4 tokens for less than 2 or 3,
+    start drafting, even where all drafting together pays (where repacked kernels take 4 tokens for less than 2 or 3,
     two slots' 2-token chains cost less than their 2 plain tokens). Each other slot commits what its own drafts are
     expected to keep (`fellows`: their acceptance records, by lane; this slot's where a slot has none yet), so every
     slot prices the same sum and, on the same costs and tick, chooses alike: priced by its own record alone, a slot
