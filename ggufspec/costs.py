@@ -1,8 +1,8 @@
 """What a target pass and a draft token cost on this machine: measured, cached per machine, corrected in use.
 
 On CPUs the target's cost for a batch of n tokens is far from n times one token, and it depends
-on the CPU as much as on the weight type (llama.cpp repacks Q4_0 and Q8_0 for small batches: a
-4-token batch measured here at 1.6 decodes on one machine and 2.6 on an AVX2-only one), so the
+on the CPU as much as on the weight type (llama.cpp repacks Q4_0 and Q8_0 for small batches, and a CPU's
+matrix kernels decide what a 4-token batch costs against one token: docs/cpu-kernels.md), so the
 best draft length is found by measuring, not assumed.
 """
 
@@ -25,9 +25,10 @@ from .waiting import waiting
 from .machine_cache import costs_path, machine, notice, read_entry, write_table
 from .machine_cache import json_type as _json_type
 
-# Costs are learned per context size: up to this many cached tokens, twice as many, four times... (past 256
-# cached tokens llama.cpp's CPU flash attention decodes a batch with other kernels than one token, and a batch's
-# price against a decode changes: docs/methods.md, "Where the constants come from")
+# Costs are learned per context size: up to this many cached tokens, twice as many, four times... A batch attends to
+# the whole context, and past this many cached tokens llama.cpp's CPU flash attention decodes a batch with other
+# kernels than one token, so a batch's price against a decode changes with the context, and what a long prompt
+# teaches must not price a short one. docs/methods.md#measured-constants: CONTEXT_SIZE
 CONTEXT_SIZE = 256
 # Long batches measured for prompt lookup's long guesses (where the text copies its context): the draft
 # lengths they hold are one less. At most llama.cpp's CPU micro-batch (decoder.CPU_UBATCH), so one pass.
@@ -114,11 +115,9 @@ class CostModel:
         """Seconds for a micro-batch of `each` tokens in each of `seqs` sequences (lockstep.micro_shapes): for a
         pool's steps, between one sequence's `each` tokens and every slot's, as measured together, interpolated by
         the sequences; else priced by its tokens. llama.cpp computes several sequences' tokens with other kernels
-        than one sequence's as many (on the AMX Xeon 8 slots' tokens took 232 ms, one sequence's 8 353; 5 slots'
-        2 tokens and 2 slots' 2, two passes, took 458 to 517 ms where every slot's 2 took 370, and priced as one
-        sequence's 10 and 4 tokens they were not padded into one pass: docs/benchmarks-parallel.md, run 10).
-        A shape the pool's ticks ran is priced as they took (`shapes`): on that Xeon 2 slots' tokens took 147 ms a
-        tick, priced 112 so, and their 2 tokens each 145, priced 194 (docs/benchmarks-parallel.md, run 16)."""
+        than one sequence's as many: priced as one sequence's, a pool's batch is off, and uneven chains that one
+        padded pass would run for less are left in several. A shape the pool's ticks ran is priced as they took
+        (`shapes`): an interpolated price can be off either way, by enough to flip a choice."""
         memo = self._prices
         price = memo.get((seqs, each))
         if price is None:
@@ -209,13 +208,12 @@ class CostModel:
         `verify_seqs` sequences' tokens teaches only the shape it ran as (micro_seconds), if it is a step's; one
         that ran in several micro-batches (`verify_shapes`, `verify_s` their total) teaches each of their shapes by
         how far their priced sum was off, if all are steps'. Unlearned, a batch the pool ran unpadded because its
-        price was below the padded one's kept that price: logged at 8 clients, 7 slots' plain tokens beside an
-        idle slot ran in two passes tick after tick, 300-438 ms each, where padded to 8 they had taken 238-347
-        (docs/benchmarks-parallel.md, run 19).
+        price was below the padded one's would keep that price, and run unpadded tick after tick where padding
+        costs less.
 
         A shared batch (`tick`: its number, which every slot's step in it reports) teaches its price once: learned
-        from each of 8 slots at weight 0.2, one slow tick moved a price 0.83 of the way to its time, and the pool
-        drafted for 185 ticks on that one price (docs/benchmarks-parallel.md, run 20). So do the draft batches of
+        from each of n slots at weight w, one slow tick would move a price 1 - (1 - w)^n of the way to its time
+        (0.83 for 8 slots at 0.2), and the pool would act on that one tick for long. So do the draft batches of
         slots drafting together (`draft_tick`: the step's last one). `mtp`: the drafter was the MTP head, whose prices
         learn from its decodes.
 
@@ -240,9 +238,8 @@ class CostModel:
                 if each == 1 and verify_seqs == self.slots and not draft_decodes:
                     self._scale_slots(moved)  # every slot's plain tokens: as measured, the chains and the draft alike
         elif verify_s > 0 and n_verify > len(self.verify) and self.long_sizes:
-            # only a measured size learns, from a batch of its own size: between sizes the price is not smooth (on
-            # the AMX Xeon 7 tokens cost more than 8), and 7 slots' batches priced 8 a third over its cost
-            # (docs/benchmarks-parallel.md, run 10)
+            # only a measured size learns, from a batch of its own size: between sizes the price is not smooth (a
+            # batch of 7 tokens can cost more than one of 8), so a neighbour's batches would price it wrong
             if n_verify in self.long_sizes:
                 i = self.long_sizes.index(n_verify)
                 self.long_verify[i] *= (verify_s / self.long_verify[i]) ** weight
@@ -285,10 +282,9 @@ class CostModel:
 
     def _scale_slots(self, factor: float) -> None:
         """Every slot's plain tokens moved by `factor`: their chains' measured prices and the draft's move alike, as
-        one sequence's plain steps move every size (observe). Moved alone, 8 slots' plain price rose with their
-        contexts while their 2-token chains kept the start-up price: at 8 clients and temperature 0.7 slots that
-        began beside 7 others prefilled the draft model and drafted, 11.4 s of draft ticks beside 180 s of the
-        target's, at 0.88x plain batching's tokens a second (docs/benchmarks-parallel.md, run 24). Fewer slots'
+        one sequence's plain steps move every size (observe). Moved alone, the slots' plain price would rise with
+        their contexts while their chains, rarely run, kept the start-up price, and drafting (and the draft model's
+        prefill) would look cheaper than it is. Fewer slots'
         shapes are not moved so: their first ticks correct an interpolated price, which says nothing of the others'."""
         self.slot_verify[1:] = [v * factor for v in self.slot_verify[1:]]  # observe, its caller, forgets the prices
         self._scale_draft(factor)
@@ -344,23 +340,21 @@ class SharedBatch(CostModel):
 
     With `follow`, every slot in the batch is priced as drafting the same k: the draft model's choice while every
     slot is on steps. One slot's chain beside plain steps runs as a micro-batch of its own, so alone no slot would
-    start drafting, even where all drafting together pays (on the AMX Xeon, two slots' 2-token chains cost less than
-    their 2 plain tokens: 4 tokens, 1.3 decodes, against 2, 1.5). Each other slot commits what its own drafts are
+    start drafting, even where all drafting together pays (where repacked kernels take 4 tokens for less than 2 or 3,
+    two slots' 2-token chains cost less than their 2 plain tokens). Each other slot commits what its own drafts are
     expected to keep (`fellows`: their acceptance records, by lane; this slot's where a slot has none yet), so every
     slot prices the same sum and, on the same costs and tick, chooses alike: priced by its own record alone, a slot
-    whose drafts were kept 94% of the time drafted while the others, at 70%, did not, and its chain ran as a pass of
-    its own, 282 ms a tick against 201 (docs/methods.md; docs/benchmarks-parallel.md, run 12).
+    whose drafts are kept more often than the others' drafts while they do not, and its chain runs as a pass of its
+    own, a slower tick for every slot (docs/methods.md, "The draft model's length: every slot alike").
 
     Without `follow` (one slot's guess beside the others' steps: lookup's, or a draft beside a prompt's chunk), the
     batch's tokens a second are counted as its busy slots times the geometric mean of each one's tokens a second
     (proportional fairness): the sum, while every slot commits alike; less, where one slot runs ahead and the others
-    wait on its chain. Counted as the sum, a slot's 31-token copy beside 3 plain steps paid 1.16 times plain
-    batching, held their next tokens for 7.5 plain ticks, and, as copies recurred, one client finished its requests
-    ahead of the others, whose tail then ran a slot short (4 clients: 0.93x plain batching,
-    docs/benchmarks-parallel.md, run 26). Counted so, a guess pays beside n busy slots where E(k) exceeds
-    (t_k / t_0)^n: on a CPU beside many slots, short guesses or none (runs 27 and 28: 0 to 2 long guesses a run where
-    there had been 8 to 25, throughput within the spread of repeated runs); where a longer batch costs about what a
-    plain one does, much as the sum would (not measured on a GPU).
+    wait on its chain. Counted as the sum, one slot's long copy beside plain steps looks like a gain while it holds
+    the others' next tokens for several plain ticks; as copies recur, that client finishes ahead of the others, whose
+    tail then runs a slot short, and the pool makes fewer tokens a second. Counted so, a guess pays beside n busy
+    slots where E(k) exceeds (t_k / t_0)^n: on a CPU beside many slots, short guesses or none; where a longer batch
+    costs about what a plain one does (a GPU), much as the sum would.
 
     Learning (observe) goes to the base model, with the whole batch's size and seconds (policy.adaptive leaves out
     batches that ran in several micro-batches)."""
@@ -372,7 +366,7 @@ class SharedBatch(CostModel):
         busy = [i for i, n in enumerate(lanes) if n and i != lane]  # the other busy slots
         self.busy = 1 + len(busy)  # slots in the batch, this one too
         # (k, free) -> step_seconds, until the base learns: a step's plan prices each length several times, and with
-        # 8 slots on `auto` that pricing took about a quarter of a slot's Python time (docs/benchmarks-parallel.md)
+        # many slots on `auto` that pricing is a large share of each slot's Python time
         self._steps: dict[tuple[int, bool], float] = {}
         # following: the other busy slots' acceptance records (a slot with none is priced by this slot's)
         fellows = fellows or {}
@@ -413,9 +407,8 @@ class SharedBatch(CostModel):
             self.lanes[self.lane] = k + 1
             lanes = tuple(k + 1 if n else 0 for n in self.lanes) if self.follow else tuple(self.lanes)
             longest = len(self.base.verify)  # a step's chain: as the pool pads (draft_max + 1)
-            # following, each draft position is one draft batch of every slot's token: priced as one token, 8
-            # slots' drafts were taken for a quarter of their cost, and all drafted where none paid
-            # (docs/benchmarks-parallel.md, run 10)
+            # following, each draft position is one draft batch of every slot's token: priced as one token, the
+            # slots' drafts would be taken for a fraction of their cost, and all would draft where none pays
             draft = self.base.draft_seconds(self.busy) if self.follow else self.draft
             seconds = (k * (0.0 if free else draft) + self.base.padded_seconds(lanes, longest)
                        + self.holds(k, free, self.busy if self.follow else 1))
@@ -562,9 +555,9 @@ def measure_together(lockstep: Lockstep, views: Sequence[LlamaCppDecoder], width
                      repeats: int = 3) -> list[float]:
     """Seconds for one batch of w tokens in each of `views`' sequences (slots of one shared context: the shape a
     pool's steps run in), for each w in `widths`, the fastest of `repeats`, after a short context; resets them.
-    measure() times one sequence's tokens, which llama.cpp runs in other kernels: on the AMX Xeon 8 slots' tokens
-    took 232 ms timed so, one sequence's 8 353, and 8 slots' 2-token chains 1.6 times their plain steps where one
-    sequence's 16 tokens took 1.4 times its 8 (docs/benchmarks-parallel.md, run 10). Each view feeds from a thread
+    measure() times one sequence's tokens, which llama.cpp runs in other kernels than several sequences' as many:
+    neither a batch's price nor how it grows with the chains carries over from one to the other. Each view feeds
+    from a thread
     of its own (a member of `lockstep`), so their decodes meet in one tick, on the lockstep's decode thread. A
     view's error is raised here, once every thread has stopped."""
     ctx = list(range(100, 132))
@@ -605,7 +598,8 @@ def measure_together(lockstep: Lockstep, views: Sequence[LlamaCppDecoder], width
 
 
 # A measurement noisier than this (its slowest round over its fastest, worst short size) was taken on a busy
-# machine: it is still cached, marked noisy (its `spread`), and refined by the next tries (NOISY_RETRY_AFTER)
+# machine: it is still cached, marked noisy (its `spread`), and refined by the next tries (NOISY_RETRY_AFTER).
+# docs/methods.md#measured-constants: MAX_SPREAD
 MAX_SPREAD = 1.5
 # Measurements a first use takes at most while they stay noisy, each batch's fastest time kept: a busy machine would
 # otherwise never cache a quiet one, and measure again before the first token of every run

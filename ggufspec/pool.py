@@ -112,10 +112,9 @@ class EnginePool:
             e.load_heads(medusa_path, medusa_vocab)
             e.answers, e.slot_records, e.mtp_records = answers, records, mtp_records
         if costs is None:  # measured by one slot alone, now: later, the other slots' batches would ride along
-            # also the batches of every slot's token and of two each (a plain step and one draft each): interpolated
-            # between 5 and 16 tokens, a batch of 8 was priced 10% over its cost on the AMX Xeon, and what the
-            # slots' 8-token batches taught bent the price of 16 to 1.8 times its own (docs/benchmarks-parallel.md,
-            # run 8)
+            # also the batches of every slot's token and of two each (a plain step and one draft each), the sizes
+            # a pool's steps run: interpolated between measured sizes their price is off (the curve is not smooth),
+            # and what their batches taught would bend a neighbouring size's price
             sizes = sorted({*LONG_BATCHES, parallel, 2 * parallel})
             costs = cached_measure(targets[0], drafts[0], settings.draft_max, sizes, mtp=mtps[0])
             if parallel > 1:  # and as the slots run them: 1 to 3 tokens of every slot, and the draft model's batch

@@ -9,17 +9,19 @@ PROBE_EVERY = 16  # plain steps before the first probe while speculation is off;
 PROBE_EVERY_MAX = 128
 OPTIMISTIC = 0.9  # probes are made only if drafts kept this often would beat plain decoding
 # by this factor: a probe costs a bigger batch and the draft catching up on every token since its last
-# use, so a probe that can gain only a little loses (docs/methods.md, "Where the constants come from")
+# use, so a probe that can gain only a little loses. docs/methods.md#measured-constants: PROBE_GAIN
 PROBE_GAIN = 1.2
-MIN_GAIN = 1.05  # drafting only when expected to beat plain decoding by this factor
+# Drafting only when expected to beat plain decoding by this factor: an estimate at break-even is as likely a loss,
+# since the cost model and the acceptance are estimates. docs/methods.md#measured-constants: MIN_GAIN
+MIN_GAIN = 1.05
 # ...or by this one in a batch shared with other slots (costs.SharedBatch), whose price leaves out what drafting
-# does to them: on the AMX Xeon 8 slots drafting a token each were priced at 1.05-1.06 times plain steps, ran at
-# about 1.0, and the slots that drafted fell out of step (docs/methods.md, "Where the constants come from")
+# does to them: the slots that draft fall out of step with the others, and batches run part-filled at the end.
+# docs/methods.md#measured-constants: SHARED_GAIN
 SHARED_GAIN = 1.15
 COPY_PRIOR = 0.9  # what a guess that continues a copy (lookup.LONG_MATCH) is expected to keep, before any evidence
 # A guess whose context matches earlier text for at least this many tokens is priced apart from shorter matches:
 # it is kept more often than one after a 2- or 3-token chance match, and waiting for a LONG_MATCH would spend
-# plain steps at the start of every copy (docs/methods.md, "Where the constants come from")
+# plain steps at the start of every copy. docs/methods.md#measured-constants: PHRASE_MATCH
 PHRASE_MATCH = 4
 
 

@@ -193,10 +193,8 @@ def _longest_latest(source: np.ndarray, hits: np.ndarray, ctx: np.ndarray, cap: 
     continuation starts, and how far back it matches.
 
     Counted without argmin or argmax: like np.searchsorted, and comparisons and nonzero over more than a few hundred
-    elements, they release the GIL, and in a pool each release hands the interpreter to another slot's thread. Beside
-    one busy thread such calls took 2 to 4 times their CPU time alone; in the tiny model's 8-slot pool, lookup in
-    earlier answers took 35 us a step where alone it took 4 (docs/benchmarks-parallel.md, "auto's step in a busy
-    pool")."""
+    elements, they release the GIL, and in a pool each release hands the interpreter to another slot's thread, so
+    beside busy threads such a call takes several times its CPU time alone (docs/engine-overhead.md)."""
     back = np.arange(cap)
     before = hits[:, None] - back
     same = (before >= 0) & (source[np.maximum(before, 0)] == ctx[np.maximum(len(ctx) - 1 - back, 0)])
