@@ -5,6 +5,7 @@
   batch.py    SharedBatch (a slot's prices in a batch shared with other slots) and MtpPrices (the MTP head as the
               drafter): views of a CostModel
   context.py  ContextCosts: a CostModel per context size
+  learn.py    learning from observed passes (CostModel.observe): each batch shape by a function of its own
   timing.py   measure() and measure_together(): timing this machine's batches
   cache.py    cached_measure(): the per-machine cache (costs.json), its checks and `ggufspec doctor`'s report
 

@@ -11,12 +11,12 @@ best draft length is found by measuring (costs.timing), not assumed.
 from __future__ import annotations
 
 import bisect
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from ..lockstep import padded_seconds
+from . import learn
 
 
 @dataclass
@@ -51,10 +51,10 @@ class CostModel:
     mtp_catch_up: float = 0.0
     mtp_sizes: list[int] = field(default_factory=list)
     mtp_batches: list[float] = field(default_factory=list)
-    # the last shared target and draft batches whose prices were learned (observe); not fields: never cached or copied
-    _tick = _draft_tick = -1
 
     def __post_init__(self) -> None:
+        # not fields (never cached, compared or copied):
+        self.ticks = learn.Ticks()  # the last shared target and draft batches whose prices were learned (observe)
         # micro_seconds' and padded_seconds' prices until the model learns (replaced then, never cleared: a price
         # worked out meanwhile goes to the old one): a pool's slots price the same few batches, several lengths
         # each, every step
@@ -182,105 +182,17 @@ class CostModel:
     def observe(self, n_verify: int, verify_s: float, draft_decodes: int, draft_s: float, weight: float = 0.2,
                 draft_width: int = 1, verify_seqs: int = 1, verify_shapes: Sequence[tuple[int, int]] = (),
                 tick: int = -1, draft_tick: int = -1, mtp: bool = False) -> None:
-        """Move toward what one step really cost: the batch size seen at `weight`, the others at half of it
-        (after a plain step: every size and the draft at `weight`), the draft at `weight` per decode, each of its
-        decodes a batch of `draft_width` tokens (other slots' too, in a pool), every draft size alike. A batch of
-        `verify_seqs` sequences' tokens teaches only the shape it ran as (micro_seconds), if it is a step's; one
-        that ran in several micro-batches (`verify_shapes`, `verify_s` their total) teaches each of their shapes by
-        how far their priced sum was off, if all are steps'. Unlearned, a batch the pool ran unpadded because its
-        price was below the padded one's would keep that price, and run unpadded tick after tick where padding
-        costs less.
+        """Move toward what one step really cost (costs.learn): its target batch of `n_verify` tokens took `verify_s`
+        (0: nothing to learn), of `verify_seqs` sequences, run in the micro-batches `verify_shapes` where several
+        (`verify_s` their total), `tick` its number where shared; `draft_decodes` draft decodes took `draft_s`, each
+        a batch of `draft_width` tokens, `draft_tick` the last one's number where shared; `mtp`: the drafter was the
+        MTP head. Each price moves by `weight` (learn.observe says which, and how far)."""
+        learn.observe(self, learn.TargetPass(n_verify, verify_s, verify_seqs, verify_shapes, tick),
+                      learn.DraftPasses(draft_decodes, draft_s, draft_width, draft_tick, mtp), weight)
 
-        A shared batch (`tick`: its number, which every slot's step in it reports) teaches its price once: learned
-        from each of n slots at weight w, one slow tick would move a price 1 - (1 - w)^n of the way to its time
-        (0.83 for 8 slots at 0.2), and the pool would act on that one tick for long. So do the draft batches of
-        slots drafting together (`draft_tick`: the step's last one). `mtp`: the drafter was the MTP head, whose prices
-        learn from its decodes.
-
-        A model measured while the machine was busy (or cached from another load) corrects itself in use.
-        Plain steps scale every cost alike: they slow down as the context grows (the draft's too), and
-        taking that as batches or drafts getting relatively cheaper would switch drafting on where it
-        does not pay.
-        """
-        if tick >= 0 and not self._first_report("_tick", tick):
-            verify_s = 0.0
-        if verify_s > 0 and len(verify_shapes) > 1:
-            if all(each <= len(self.verify) for _, each in verify_shapes):  # steps' shapes, not a prompt's chunks
-                priced = {shape: self.micro_seconds(*shape) for shape in verify_shapes}
-                off = verify_s / sum(priced[shape] for shape in verify_shapes)
-                for (seqs, each), seconds in priced.items():
-                    if seqs > 1:  # one sequence's tokens are priced by `verify`, which learns from its own batches
-                        self._learn_shape(seqs, each, seconds * off, weight)
-        elif verify_s > 0 and verify_seqs > 1:
-            each = n_verify // verify_seqs
-            if each * verify_seqs == n_verify and each <= len(self.verify):  # a step's shape, not a prompt's chunks
-                moved = self._learn_shape(verify_seqs, each, verify_s, weight)
-                if each == 1 and verify_seqs == self.slots and not draft_decodes:
-                    self._scale_slots(moved)  # every slot's plain tokens: as measured, the chains and the draft alike
-        elif verify_s > 0 and n_verify > len(self.verify) and self.long_sizes:
-            # only a measured size learns, from a batch of its own size: between sizes the price is not smooth (a
-            # batch of 7 tokens can cost more than one of 8), so a neighbour's batches would price it wrong
-            if n_verify in self.long_sizes:
-                i = self.long_sizes.index(n_verify)
-                self.long_verify[i] *= (verify_s / self.long_verify[i]) ** weight
-        elif verify_s > 0:
-            n = min(n_verify, len(self.verify)) - 1
-            ratio = verify_s / self.verify[n]
-            others = weight if n == 0 else weight / 2
-            self.verify = [v * ratio ** (weight if i == n else others) for i, v in enumerate(self.verify)]
-            if n == 0 and not draft_decodes:
-                self._scale_draft(ratio ** weight)
-        if draft_tick >= 0 and not self._first_report("_draft_tick", draft_tick):
-            draft_decodes = 0
-        if draft_decodes:
-            seen = draft_s / draft_decodes / (self.mtp_seconds if mtp else self.draft_seconds)(draft_width)
-            self._scale_draft(1 + (1 - (1 - weight) ** draft_decodes) * (seen - 1), "mtp" if mtp else "draft")
-        if verify_s > 0 or draft_decodes:  # learned (a shared tick is learned from one slot's step only)
-            self._prices = {}
-
-    def _first_report(self, last: str, tick: int) -> bool:
-        """Whether `tick` is a shared batch not yet learned, where attribute `last` holds the last one learned (set to
-        `tick`); atomic, as the slots' threads observe their shared tick at once."""
-        with _TICKS:
-            first = getattr(self, last) != tick
-            setattr(self, last, tick)
-        return first
-
-    def _learn_shape(self, seqs: int, each: int, seconds: float, weight: float) -> float:
-        """A micro-batch of `each` tokens in each of `seqs` sequences took `seconds`: that shape's price alone moves
-        toward it (every slot's measured one, or fewer slots' from what micro_seconds priced it at). Returns the
-        factor it moved by."""
-        if seqs == self.slots and each <= len(self.slot_verify):
-            factor = (seconds / self.slot_verify[each - 1]) ** weight
-            self.slot_verify[each - 1] *= factor
-        else:
-            seen = self.micro_seconds(seqs, each)
-            factor = (seconds / seen) ** weight
-            self.shapes[seqs, each] = seen * factor
+    def forget_prices(self) -> None:
+        """After learning: micro_seconds' and padded_seconds' remembered prices are worked out again."""
         self._prices = {}
-        return factor
-
-    def _scale_slots(self, factor: float) -> None:
-        """Every slot's plain tokens moved by `factor`: their chains' measured prices and the draft's move alike, as
-        one sequence's plain steps move every size (observe). Moved alone, the slots' plain price would rise with
-        their contexts while their chains, rarely run, kept the start-up price, and drafting (and the draft model's
-        prefill) would look cheaper than it is. Fewer slots'
-        shapes are not moved so: their first ticks correct an interpolated price, which says nothing of the others'."""
-        self.slot_verify[1:] = [v * factor for v in self.slot_verify[1:]]  # observe, its caller, forgets the prices
-        self._scale_draft(factor)
-
-    def _scale_draft(self, factor: float, which: str | None = None) -> None:
-        """The draft model's prices (`which` "draft"), the MTP head's ("mtp") or both (None: the machine's pace)."""
-        if which != "mtp":
-            self.draft *= factor
-            self.draft_batches = [s * factor for s in self.draft_batches]
-        if which != "draft":
-            self.mtp *= factor
-            self.mtp_catch_up *= factor
-            self.mtp_batches = [s * factor for s in self.mtp_batches]
-
-
-_TICKS = threading.Lock()  # CostModel.observe: a shared tick's first observer learns it, atomically
 
 
 # A pool's slots each price every other slot's record (SharedBatch), several lengths a step, and a record changes at
