@@ -1,15 +1,16 @@
-"""Prices seen from one slot: a batch shared with other slots (SharedBatch), and the target's MTP head as the drafter
-(MtpPrices). Views of a CostModel: what they learn goes to it."""
+"""Prices seen from one slot, each a view that holds a CostModel and prices from it: a batch shared with other
+slots (SharedBatch), and the target's MTP head as the drafter (MtpPrices). What a view learns goes to its CostModel."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
-from .table import CostModel
+from .table import CostModel, Prices
 
 
-class SharedBatch(CostModel):
+class SharedBatch(Prices):
     """A slot's prices while other slots ride in the same target batch (EnginePool), as many tokens of each as in the
     last one (`lanes`, this slot's at `lane`): the rule that prices speculation per batch (docs/methods.md).
 
@@ -42,9 +43,9 @@ class SharedBatch(CostModel):
     Learning (observe) goes to the base model, with the whole batch's size and seconds (policy.adaptive leaves out
     batches that ran in several micro-batches)."""
 
-    def __init__(self, base: CostModel, lanes: Sequence[int], lane: int, follow: bool = False,
+    def __init__(self, base: CostModel | MtpPrices, lanes: Sequence[int], lane: int, follow: bool = False,
                  fellows: dict[int, Sequence[float]] | None = None) -> None:
-        self.base, self.lane, self.follow = base, lane, follow  # a view of `base`: no fields of its own
+        self.base, self.lane, self.follow = base, lane, follow  # a view of `base`: its prices, its learning
         self.lanes = list(lanes)  # a copy: step_seconds puts each priced chain in this slot's lane
         busy = [i for i, n in enumerate(lanes) if n and i != lane]  # the other busy slots
         self.busy = 1 + len(busy)  # slots in the batch, this one too
@@ -66,19 +67,12 @@ class SharedBatch(CostModel):
 
     verify = property(lambda self: self.base.verify)
     draft = property(lambda self: self.base.draft)
-    long_sizes = property(lambda self: self.base.long_sizes)
-    long_verify = property(lambda self: self.base.long_verify)
-    draft_sizes = property(lambda self: self.base.draft_sizes)
-    draft_batches = property(lambda self: self.base.draft_batches)
-    slots = property(lambda self: self.base.slots)
-    slot_verify = property(lambda self: self.base.slot_verify)
-    shapes = property(lambda self: self.base.shapes)
-    hold = property(lambda self: self.base.hold)
-    snapshots = property(lambda self: self.base.snapshots)
-    draft_hold = property(lambda self: self.base.draft_hold)
     catch_up = property(lambda self: self.base.catch_up)
-    micro_seconds = property(lambda self: self.base.micro_seconds)  # the base's prices, remembered there
-    padded_seconds = property(lambda self: self.base.padded_seconds)
+    k_long = property(lambda self: self.base.k_long)
+
+    def batch_seconds(self, n: int) -> float:
+        """One sequence's batch of n tokens: the base's price (a step in this batch: step_seconds)."""
+        return self.base.batch_seconds(n)
 
     @property
     def shared(self) -> bool:
@@ -94,7 +88,7 @@ class SharedBatch(CostModel):
             # slots' drafts would be taken for a fraction of their cost, and all would draft where none pays
             draft = self.base.draft_seconds(self.busy) if self.follow else self.draft
             seconds = (k * (0.0 if free else draft) + self.base.padded_seconds(lanes, longest)
-                       + self.holds(k, free, self.busy if self.follow else 1))
+                       + self.base.holds(k, free, self.busy if self.follow else 1))
             self._steps[k, free] = seconds
         return seconds
 
@@ -108,7 +102,8 @@ class SharedBatch(CostModel):
         mean = math.exp((math.log(tokens) + self._others_log) / self.busy)  # geometric, of the busy slots' tokens
         return self.busy * mean / self.step_seconds(k, free)
 
-    def observe(self, *args, **kwargs) -> None:
+    def observe(self, *args: Any, **kwargs: Any) -> None:
+        """CostModel.observe's, to the base (this view's remembered step prices forgotten)."""
         self._steps.clear()
         self.base.observe(*args, **kwargs)
 
@@ -116,7 +111,7 @@ class SharedBatch(CostModel):
         return self.base.copy()
 
 
-class MtpPrices(CostModel):
+class MtpPrices(Prices):
     """`base`'s prices with the target's MTP head as the drafter: a draft token is one of its steps (`mtp`), a pool's
     draft batch one of its batches (`mtp_batches`), a token it catches up on a share of its catch-up batch
     (`mtp_catch_up`), and no checkpoint (its memory is attention only, whatever the target's is). A view: learning
@@ -126,24 +121,31 @@ class MtpPrices(CostModel):
         self.base = base
 
     verify = property(lambda self: self.base.verify)
-    long_sizes = property(lambda self: self.base.long_sizes)
-    long_verify = property(lambda self: self.base.long_verify)
-    slots = property(lambda self: self.base.slots)
-    slot_verify = property(lambda self: self.base.slot_verify)
-    shapes = property(lambda self: self.base.shapes)
-    hold = property(lambda self: self.base.hold)
-    snapshots = property(lambda self: self.base.snapshots)
     draft = property(lambda self: self.base.mtp)
-    draft_sizes = property(lambda self: self.base.mtp_sizes)
-    draft_batches = property(lambda self: self.base.mtp_batches)
-    draft_hold = property(lambda self: 0.0)
     catch_up = property(lambda self: self.base.mtp_catch_up or self.base.mtp)
-    micro_seconds = property(lambda self: self.base.micro_seconds)
+    k_long = property(lambda self: self.base.k_long)
+    micro_seconds = property(lambda self: self.base.micro_seconds)  # the base's prices, remembered there
     padded_seconds = property(lambda self: self.base.padded_seconds)
 
-    def observe(self, *args, **kwargs) -> None:
+    def batch_seconds(self, n: int) -> float:
+        return self.base.batch_seconds(n)
+
+    def draft_seconds(self, n: int) -> float:
+        """A batch of n of the head's steps (every following slot's at once)."""
+        return self.base.mtp_seconds(n)
+
+    def holds(self, k: int, free: bool, slots: int = 1) -> float:
+        """The target's checkpoints (CostModel.holds); the head takes none."""
+        if not k:
+            return 0.0
+        return slots * (self.base.hold if k > self.base.snapshots else 0.0)
+
+    def step_seconds(self, k: int, free: bool = False) -> float:
+        return k * (0.0 if free else self.draft) + self.base.batch_seconds(k + 1) + self.holds(k, free)
+
+    def observe(self, *args: Any, **kwargs: Any) -> None:
+        """CostModel.observe's, to the base, the drafter's decodes as the head's."""
         self.base.observe(*args, mtp=True, **kwargs)
 
     def copy(self) -> CostModel:
         return self.base.copy()
-

@@ -1,6 +1,6 @@
 """The measured tables and their prices: what a target batch of n tokens costs (one sequence's, or a micro-batch of
 several sequences' as a pool runs them), a draft batch, a step of k drafts, and the draft length that commits the most
-tokens a second (CostModel.best).
+tokens a second (Prices.best).
 
 On CPUs the target's cost for a batch of n tokens is far from n times one token, and it depends
 on the CPU as much as on the weight type (llama.cpp repacks Q4_0 and Q8_0 for small batches, and a CPU's
@@ -11,6 +11,7 @@ best draft length is found by measuring (costs.timing), not assumed.
 from __future__ import annotations
 
 import bisect
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
@@ -19,8 +20,83 @@ from ..lockstep import padded_seconds
 from . import learn
 
 
+class Prices(ABC):
+    """What a step of k drafts costs and commits, and the draft length that commits the most tokens a second: what a
+    source's record (policy.adaptive) prices with. A subclass gives the prices (verify, draft, catch_up, batch_seconds,
+    step_seconds) and where learning goes (observe); the choice (rate, expected_rate, best, best_k) is built on them,
+    and a subclass may count a step's tokens otherwise (rate). CostModel prices one sequence's steps from its measured
+    tables; SharedBatch and MtpPrices (costs.batch) hold a CostModel and price from it."""
+
+    verify: list[float]  # verify[n-1]: seconds for a batch of n tokens of one sequence, with all logits
+    draft: float  # seconds for one draft token (a step of the drafter)
+
+    @property
+    def shared(self) -> bool:
+        """Whether other slots' tokens ride in the batches priced (SharedBatch)."""
+        return False
+
+    @property
+    @abstractmethod
+    def catch_up(self) -> float:
+        """What the drafter takes to read a token of text it has not seen."""
+
+    @abstractmethod
+    def batch_seconds(self, n: int) -> float:
+        """Seconds for a batch of n tokens of one sequence."""
+
+    @abstractmethod
+    def step_seconds(self, k: int, free: bool = False) -> float:
+        """Drafting k tokens (free: they cost nothing, as prompt lookup's) and verifying them."""
+
+    @abstractmethod
+    def observe(self, n_verify: int, verify_s: float, draft_decodes: int, draft_s: float, weight: float = 0.2,
+                draft_width: int = 1, verify_seqs: int = 1, verify_shapes: Sequence[tuple[int, int]] = (),
+                tick: int = -1, draft_tick: int = -1, mtp: bool = False) -> None:
+        """Learn from what one step really cost (CostModel.observe)."""
+
+    @abstractmethod
+    def copy(self) -> CostModel:
+        """An independent CostModel to price and learn from (a view's: its CostModel's copy)."""
+
+    @staticmethod
+    def expected_tokens(k: int, acceptance: float | Sequence[float]) -> float:
+        """Tokens a step with k drafts commits; acceptance[i]: chance draft i is kept once judged
+        (a single number: the same at every position; a short list: its last entry for the positions after it)."""
+        return Prices.expected_tokens_upto(k, acceptance)[k]
+
+    @staticmethod
+    def expected_tokens_upto(k_max: int, acceptance: float | Sequence[float]) -> tuple[float, ...]:
+        """expected_tokens(k, acceptance) for k = 0..k_max, in one pass."""
+        return _tokens_upto(k_max, acceptance if isinstance(acceptance, (int, float)) else tuple(acceptance))
+
+    def rate(self, k: int, tokens: float, free: bool = False) -> float:
+        """Committed tokens per second of a step with k drafts that commits `tokens` on average."""
+        return tokens / self.step_seconds(k, free)
+
+    def expected_rate(self, k: int, acceptance: float | Sequence[float], free: bool = False) -> float:
+        """Committed tokens per second with k drafts."""
+        return self.rate(k, self.expected_tokens(k, acceptance), free)
+
+    def best_k(self, acceptance: float | Sequence[float], k_max: int, k_min: int = 0, free: bool = False,
+               longer: Sequence[int] = ()) -> int:
+        """The draft length in k_min..k_max (or among `longer`) with the most expected tokens per second."""
+        return self.best(acceptance, k_max, k_min, free, longer)[0]
+
+    def best(self, acceptance: float | Sequence[float], k_max: int, k_min: int = 0, free: bool = False,
+             longer: Sequence[int] = ()) -> tuple[int, float]:
+        """best_k's length and its expected tokens per second (expected_rate's)."""
+        tokens = self.expected_tokens_upto(max((k_max, *longer)), acceptance)  # one pass for every length (every step)
+        best, most = k_min, -1.0
+        for k in (*range(k_min, k_max + 1), *longer):
+            r = self.rate(k, tokens[k], free)
+            if r > most:  # the first of equals
+                best, most = k, r
+        return best, most
+
+
+
 @dataclass
-class CostModel:
+class CostModel(Prices):
     """verify[n-1]: seconds for the target to decode n tokens with all logits; draft: one draft token;
     long_verify[i]: a batch of long_sizes[i] tokens (sizes past verify's; between them, interpolated);
     draft_batches[i]: a draft batch of draft_sizes[i] tokens (a pool's slots drafting together), one each;
@@ -61,16 +137,11 @@ class CostModel:
         self._prices: dict[tuple, float] = {}
 
     def copy(self) -> CostModel:
-        """An independent copy, of the same class (a subclass may price or learn differently)."""
+        """An independent copy: the same tables, its own learning from here on (ticks and remembered prices afresh)."""
         return replace(self, verify=list(self.verify), long_sizes=list(self.long_sizes),
                        long_verify=list(self.long_verify), draft_sizes=list(self.draft_sizes),
                        draft_batches=list(self.draft_batches), slot_verify=list(self.slot_verify),
                        shapes=dict(self.shapes), mtp_sizes=list(self.mtp_sizes), mtp_batches=list(self.mtp_batches))
-
-    @property
-    def shared(self) -> bool:
-        """Whether other slots' tokens ride in the batches priced (SharedBatch)."""
-        return False
 
     @property
     def catch_up(self) -> float:
@@ -132,17 +203,6 @@ class CostModel:
         """Seconds for a batch of n MTP head steps (every slot's at once), priced as draft_seconds prices drafts."""
         return _drafts(self.mtp, self.mtp_sizes, self.mtp_batches, n)
 
-    @staticmethod
-    def expected_tokens(k: int, acceptance: float | Sequence[float]) -> float:
-        """Tokens a step with k drafts commits; acceptance[i]: chance draft i is kept once judged
-        (a single number: the same at every position; a short list: its last entry for the positions after it)."""
-        return CostModel.expected_tokens_upto(k, acceptance)[k]
-
-    @staticmethod
-    def expected_tokens_upto(k_max: int, acceptance: float | Sequence[float]) -> tuple[float, ...]:
-        """expected_tokens(k, acceptance) for k = 0..k_max, in one pass."""
-        return _tokens_upto(k_max, acceptance if isinstance(acceptance, (int, float)) else tuple(acceptance))
-
     def step_seconds(self, k: int, free: bool = False) -> float:
         """Drafting k tokens (free: they cost nothing, as prompt lookup's) and verifying them."""
         return k * (0.0 if free else self.draft) + self.batch_seconds(k + 1) + self.holds(k, free)
@@ -154,30 +214,6 @@ class CostModel:
             return 0.0
         target = self.hold if k > self.snapshots else 0.0
         return slots * (target + (self.draft_hold if k > 1 and not free else 0.0))
-
-    def rate(self, k: int, tokens: float, free: bool = False) -> float:
-        """Committed tokens per second of a step with k drafts that commits `tokens` on average."""
-        return tokens / self.step_seconds(k, free)
-
-    def expected_rate(self, k: int, acceptance: float | Sequence[float], free: bool = False) -> float:
-        """Committed tokens per second with k drafts."""
-        return self.rate(k, self.expected_tokens(k, acceptance), free)
-
-    def best_k(self, acceptance: float | Sequence[float], k_max: int, k_min: int = 0, free: bool = False,
-               longer: Sequence[int] = ()) -> int:
-        """The draft length in k_min..k_max (or among `longer`) with the most expected tokens per second."""
-        return self.best(acceptance, k_max, k_min, free, longer)[0]
-
-    def best(self, acceptance: float | Sequence[float], k_max: int, k_min: int = 0, free: bool = False,
-             longer: Sequence[int] = ()) -> tuple[int, float]:
-        """best_k's length and its expected tokens per second (expected_rate's)."""
-        tokens = self.expected_tokens_upto(max((k_max, *longer)), acceptance)  # one pass for every length (every step)
-        best, most = k_min, -1.0
-        for k in (*range(k_min, k_max + 1), *longer):
-            r = self.rate(k, tokens[k], free)
-            if r > most:  # the first of equals
-                best, most = k, r
-        return best, most
 
     def observe(self, n_verify: int, verify_s: float, draft_decodes: int, draft_s: float, weight: float = 0.2,
                 draft_width: int = 1, verify_seqs: int = 1, verify_shapes: Sequence[tuple[int, int]] = (),
