@@ -253,10 +253,10 @@ def _drafts(one: float, sizes: Sequence[int], batches: Sequence[float], n: int) 
     them, interpolated; past the largest, scaled from it; `one` where none was measured."""
     if n <= 1 or not sizes:
         return one
-    sizes, secs = [1, *sizes], [one, *batches]
-    if n >= sizes[-1]:
-        return secs[-1] * n / sizes[-1]
-    return _between(sizes, secs, n)
+    points, secs = [1, *sizes], [one, *batches]
+    if n >= points[-1]:
+        return secs[-1] * n / points[-1]
+    return _between(points, secs, n)
 
 
 def _between(sizes: Sequence[int], secs: Sequence[float], n: int) -> float:
