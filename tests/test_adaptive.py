@@ -9,7 +9,7 @@ import llama_cpp
 import numpy as np
 import pytest
 
-import ggufspec.costs as costs_module
+import ggufspec.costs.cache as costs_module  # where cached_measure looks up measure() and machine()
 from ggufspec.costs import ContextCosts, CostModel, SharedBatch, measure
 from ggufspec.decoder import SLOT_CHUNK
 from ggufspec.lockstep import even_lanes, micro_batches, micro_shapes

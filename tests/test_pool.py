@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import FixedCosts
-import ggufspec.costs as costs_module
+import ggufspec.costs.cache as costs_module  # where cached_measure looks up measure()
 from ggufspec.costs import costs_path, measure, measure_together
 from ggufspec.decoder import DecoderOptions, LlamaCppDecoder
 from ggufspec.engine import GenerationSettings, SpeculativeEngine

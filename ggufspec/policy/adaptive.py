@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..costs import CostModel
+from ..costs import Prices
 from . import Timing
 
 PROBE_EVERY = 16  # plain steps before the first probe while speculation is off; doubled after each failed one
@@ -38,7 +38,7 @@ class AdaptiveLength:
     4 costs ~2.6 decodes, as on the AVX2-only machines here, the best case is a few percent).
     """
 
-    def __init__(self, costs: CostModel, k_max: int, prior: float = 0.7, memory: float = 0.95,
+    def __init__(self, costs: Prices, k_max: int, prior: float = 0.7, memory: float = 0.95,
                  free: bool = False, longer: tuple[int, ...] = ()) -> None:
         self.costs, self.k_max, self.memory, self.prior, self.free = costs, k_max, memory, prior, free
         self.longer = longer  # lengths past k_max that may be drafted too (lookup's long guesses)...

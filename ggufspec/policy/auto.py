@@ -81,7 +81,7 @@ class AutoPolicy:
         out = [("draft", self.model_length, self.slot_records), ("mtp", self.mtp_length, self.mtp_records)]
         return [m for m in out if m[1] is not None]
 
-    def _prices(self, record: AdaptiveLength, costs: CostModel) -> CostModel:
+    def _prices(self, record: AdaptiveLength, costs: CostModel) -> CostModel | MtpPrices:
         """`costs` as `record` reads them: the MTP head's record at its own steps' prices."""
         if record is not self.mtp_length:
             return costs
