@@ -66,7 +66,7 @@ def test_kept_logits_views_follow_batch_sizes_and_buffer_moves(tiny_target) -> N
             rows = d.feed(tokens[start : start + n], view=True)
             assert rows.shape == (n, d.n_vocab)
             for i in range(n):
-                own = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(d._ctx, i), shape=(d.n_vocab,))
+                own = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(d.llama_context, i), shape=(d.n_vocab,))
                 np.testing.assert_array_equal(rows[i], own)
             start += n
 

@@ -88,9 +88,9 @@ class SlowHandshakeRelay:
         self.port, self.delay = port, 0.0
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.endpoint = f"127.0.0.1:{self.listener.getsockname()[1]}"
-        threading.Thread(target=self._accept, daemon=True).start()
+        threading.Thread(target=self.accept_loop, daemon=True).start()
 
-    def _accept(self) -> None:
+    def accept_loop(self) -> None:
         while True:
             try:
                 client, _ = self.listener.accept()
@@ -102,11 +102,11 @@ class SlowHandshakeRelay:
                 client.close()
                 continue
             server.settimeout(None)
-            threading.Thread(target=self._pipe, args=(client, server, 0.0), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(server, client, self.delay), daemon=True).start()
+            threading.Thread(target=self.pipe, args=(client, server, 0.0), daemon=True).start()
+            threading.Thread(target=self.pipe, args=(server, client, self.delay), daemon=True).start()
 
     @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket, first_delay: float) -> None:
+    def pipe(src: socket.socket, dst: socket.socket, first_delay: float) -> None:
         try:
             while chunk := src.recv(1 << 16):
                 time.sleep(first_delay)
