@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import numpy as np
@@ -161,13 +162,21 @@ def test_an_isolated_decoder_gives_the_logits_and_history_of_one_here(smollm2_pa
     assert not process.alive  # its last decoder closed it
 
 
-def test_a_reply_left_behind_by_ctrl_c_still_reaches_the_mirror(smollm2_path) -> None:
+def test_a_reply_left_behind_by_ctrl_c_still_reaches_the_mirror(smollm2_path, monkeypatch) -> None:
     process = DecoderProcess(timeout=60)
     d = process.open(smollm2_path, DecoderOptions(n_ctx=256))
+    real_poll = Connection.poll
+
+    def ctrl_c(conn, timeout=0.0):  # Ctrl-C lands while the parent waits for the reply, once
+        monkeypatch.setattr(Connection, "poll", real_poll)
+        raise KeyboardInterrupt
+
     try:
         tokens = d.vocab.encode("Hello there, friend", add_special=True)
-        process._conn.send((d._handle, "feed", (tokens,), {}))  # as a call whose wait Ctrl-C interrupted
-        process._stale.append(d._handle)
+        monkeypatch.setattr(Connection, "poll", ctrl_c)
+        with pytest.raises(KeyboardInterrupt):
+            d.feed(tokens)  # sent; the child decodes it, its reply is left behind
+        assert d.history == []  # not mirrored yet
         d.rollback_to(2)  # drains that reply first
         assert d.history == tokens[:2]
     finally:
