@@ -334,7 +334,7 @@ def test_auto_with_heads_verifies_every_guess_lookup_chose_unless_a_tree_runs(sm
     def planned(self, *a):
         plan = chain(self, *a)
         chosen[0] += plan.source == "lookup"
-        probes[0] += plan.source == "lookup" and self.source._probing
+        probes[0] += plan.source == "lookup" and self.source.probing
         return plan
 
     def observed(self, plan, *a):
@@ -342,7 +342,7 @@ def test_auto_with_heads_verifies_every_guess_lookup_chose_unless_a_tree_runs(sm
         observe(self, plan, *a)
 
     def withdraw(self):
-        withdrawn[0] += self._proposed is not None  # a guess that loses to a tree
+        withdrawn[0] += self.guess_planned  # a guess that loses to a tree
         withdraw_(self)
 
     monkeypatch.setattr(AutoPolicy, "_chain", planned)
