@@ -441,6 +441,15 @@ class LlamaCppDecoder:
         """Whether this decoder is a slot of a shared context."""
         return self._lockstep is not None
 
+    def pad_chains(self, price: Price | None, pad_max: int) -> None:
+        """How this slot's shared context runs uneven chains from now on, for every slot of it: with `price` (a
+        micro-batch's seconds by its shape, e.g. CostModel.micro_seconds) chains of up to `pad_max` tokens are padded
+        to one length where that costs less (lockstep.even_lanes); price None (the default): batches run as
+        submitted. GGUFSpecError on a decoder with a context of its own."""
+        if self._runner is None:
+            raise GGUFSpecError("pad_chains needs a slot of a shared context (LlamaCppDecoder.slots)")
+        self._runner.price, self._runner.pad_max = price, pad_max
+
     def _locked(self) -> AbstractContextManager:
         """Held around every use of a shared context (nothing for a context of one's own)."""
         return self._lockstep.lock if self._lockstep is not None else nullcontext()

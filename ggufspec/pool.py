@@ -127,8 +127,7 @@ class EnginePool:
             for e in engines:
                 e.costs = costs
         if parallel > 1:  # the target's uneven chains are padded to one length where that costs less
-            targets[0]._runner.price = costs.micro_seconds
-            targets[0]._runner.pad_max = settings.draft_max + 1
+            targets[0].pad_chains(costs.micro_seconds, settings.draft_max + 1)
         return cls([Slot(i, e) for i, e in enumerate(engines)], lockstep)
 
     @property

@@ -777,7 +777,7 @@ def test_copies_are_priced_by_their_own_record() -> None:
     copy = text + text[:20]  # the last 20 tokens repeat earlier text
     plan, draft = step(auto, proposers, copy, 3)
     assert plan == Plan("lookup", 3) and draft.tokens == text[20:23] and auto.source is auto.copy_length
-    assert auto._lookup_gain(3) > 1  # Medusa's `auto` weighs the guess against its tree on the copies' record too
+    assert auto.lookup_gain(3) > 1  # Medusa's `auto` weighs the guess against its tree on the copies' record too
     judge(auto, plan, draft, 0)
     for _ in range(11):  # copies whose guesses are not kept turn it off too (before its first probe)
         judge(auto, *step(auto, proposers, copy, 3), 0)
@@ -948,4 +948,4 @@ def test_lookup_reuses_its_array_only_for_a_context_that_continues_the_last() ->
         else:
             ctx.append(int(rng.integers(0, 5)))  # the same list, longer
         fresh = LookupProposer(n_vocab=100)
-        assert kept._find(ctx, 4) == fresh._find(ctx, 4) and kept.match == fresh.match, step
+        assert kept.find(ctx, 4) == fresh.find(ctx, 4) and kept.match == fresh.match, step

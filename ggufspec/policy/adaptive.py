@@ -48,6 +48,12 @@ class AdaptiveLength:
         self.acceptance = [prior] * (k_max + bool(longer))
         self._off_steps, self.probe_every, self._probing = 0, PROBE_EVERY, False
 
+    @property
+    def probing(self) -> bool:
+        """Whether the last choose() returned a probe: a length drafted although planned() was 0, to learn whether
+        drafting pays again; False after a choose() that returned the planned length, and before any."""
+        return self._probing
+
     def restart(self) -> AdaptiveLength:
         """Ready for the next generation: keep what was learned, acceptance halfway back to the prior."""
         self.acceptance = [(a + self.prior) / 2 for a in self.acceptance]

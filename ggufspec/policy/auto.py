@@ -72,6 +72,13 @@ class AutoPolicy:
         return max((self.k_max, *self.copy_length.longer))
 
     @property
+    def guess_planned(self) -> bool:
+        """Whether the step just planned holds a lookup guess for the target to verify: True from a plan() that
+        chose one until the next plan() or begin(), or until a tree takes its place (the guess is then judged as one
+        left unverified)."""
+        return self._proposed is not None
+
+    @property
     def costs(self) -> CostModel:
         """The cost model measured at start-up (short context)."""
         return self.context_costs.base
@@ -162,7 +169,7 @@ class AutoPolicy:
             return plan
         # against a plain step lookup's own choice stands (a probe's too); against a tree, gains over a plain step:
         # lookup prices the current context, the sizer the start-up measurement
-        if plan.k and (nodes is None or len(nodes) == 1 or self._lookup_gain(plan.k) > self.sizer.gain):
+        if plan.k and (nodes is None or len(nodes) == 1 or self.lookup_gain(plan.k) > self.sizer.gain):
             return plan
         if nodes is not None and len(nodes) > 1:
             self._withdraw()  # lookup times only its own and plain steps
@@ -282,9 +289,10 @@ class AutoPolicy:
             self._unverified.append(self._proposed)
         self.source = self._proposed = None
 
-    def _lookup_gain(self, n: int) -> float:
+    def lookup_gain(self, n: int) -> float:
         """Expected tokens per second of verifying the n-token lookup guess just planned, on the record of its
-        kind, over a plain step's, both at the current context's costs."""
+        kind (`source`), over a plain step's, both at the current context's costs; no side effects. plan() verifies
+        the guess instead of a Medusa tree only where this beats the tree's gain. Needs a planned lookup guess."""
         costs = self.source.costs
         return costs.expected_rate(n, self.source.acceptance, free=True) / costs.expected_rate(0, 0)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 import threading
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -135,6 +136,12 @@ class LookupProposer:
             period = len(ctx) - start
             return ctx[start + np.arange(k) % period].tolist()
         return self._find_in_answers(ctx, k) if self.answers is not None else []
+
+    def find_in_answers(self, context: Sequence[int], k: int) -> list[int]:
+        """Up to k tokens continuing the longest (then latest) match of the context's tail in earlier answers
+        (`answers`, which must be set), as find() guesses where the text itself holds no match: never past the end of
+        the answer matched; sets `match`."""
+        return self._find_in_answers(np.asarray(context, dtype=np.int64), k)
 
     def _find_in_answers(self, ctx: np.ndarray, k: int) -> list[int]:
         """The continuation, in earlier answers, of the longest (then latest) match of the context's tail."""
