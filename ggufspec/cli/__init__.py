@@ -14,9 +14,9 @@ from typing import Any, Callable, Iterable, Mapping, TypeVar
 
 import click
 
-from .errors import EXIT_INTERRUPTED, GGUFSpecError
-from .kv_types import KV_TYPES
-from .methods import METHODS, get_method, methods_help
+from ..errors import EXIT_INTERRUPTED, GGUFSpecError
+from ..kv_types import KV_TYPES
+from ..methods import METHODS, get_method, methods_help
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -151,7 +151,7 @@ class ChatTemplateName(click.ParamType):
     name = "NAME|JINJA"
 
     def convert(self, value, param, ctx):
-        from .chat import template_override
+        from ..chat import template_override
 
         if not isinstance(value, str):
             return value
@@ -407,8 +407,8 @@ def options_for(command: str) -> Callable[[F], F]:
 def decoder_options(n_ctx, n_batch, n_ubatch, threads, threads_batch, n_gpu_layers, rpc, tensor_split, rpc_draft,
                     rpc_timeout, no_mmap, mlock, no_repack, flash_attn, fa, kv_type, kv_type_k, kv_type_v, verbose,
                     log_disable, no_memory_check):
-    from .decoder import DecoderOptions, gpu_offload
-    from .rpc import parse_endpoints, require
+    from ..decoder import DecoderOptions, gpu_offload
+    from ..rpc import parse_endpoints, require
 
     endpoints = ()
     if rpc is not None:
@@ -454,8 +454,8 @@ def load_engine(params: dict, default_method: str | None = None, parallel: int |
     resolved and fetched, the combination checked, the models loaded; default_method when none is given (None: the
     engine's). With `parallel`, an EnginePool of that many slots instead of one engine (-c is then the whole cache,
     as llama-server's: each slot holds n_ctx // parallel tokens)."""
-    from .engine import GenerationSettings, SpeculativeEngine
-    from .sampling import SamplingParams
+    from ..engine import GenerationSettings, SpeculativeEngine
+    from ..sampling import SamplingParams
 
     g = {k: params.pop(k) for k in _GENERATION_KEYS}
     ignore_eos = params.pop("ignore_eos", False)  # generate's and serve's (a chat turn would never end)
@@ -478,7 +478,7 @@ def load_engine(params: dict, default_method: str | None = None, parallel: int |
         medusa_tree=g["medusa_tree"], typical=g["typical"], ignore_eos=ignore_eos, **settings_extra,
     )
     if parallel is not None:
-        from .pool import EnginePool
+        from ..pool import EnginePool
 
         pool = EnginePool.load(target, draft, options, settings, medusa_path, medusa_vocab, parallel=parallel)
         for slot in pool.slots:
@@ -528,7 +528,7 @@ def generate(prompt, prompt_option, prompt_file, escape, chat, raw, system, trun
         if output is None:
             raise click.UsageError("--batch needs -o OUT.jsonl, the file each prompt's result goes to (and a rerun "
                                    "resumes from).")
-        from .batch_jobs import run_batch
+        from ..batch_jobs import run_batch
 
         code = run_batch(batch_path=batch_path, output=output, parallel=parallel, chat=chat, raw=raw, system=system,
                          show_stats=show_stats, truncate_prompt=truncate_prompt, context_shift=context_shift,
@@ -547,7 +547,7 @@ def generate(prompt, prompt_option, prompt_file, escape, chat, raw, system, trun
     prompt = _prompt_text(prompt, prompt_option, prompt_file, escape)
     if escape:  # as llama.cpp, which processes the reverse prompts' escapes too
         params["stop"] = tuple(_escaped(s, f"--stop {s!r}") for s in params["stop"])
-    from .waiting import hidden
+    from ..waiting import hidden
 
     with hidden() if as_json else contextlib.nullcontext():  # JSON is for a program to read: no spinner on stderr
         engine, _ = load_engine(params, truncate_prompt=truncate_prompt, context_shift=context_shift)
@@ -563,7 +563,7 @@ def generate(prompt, prompt_option, prompt_file, escape, chat, raw, system, trun
 def _stream(engine, prompt, show_stats: bool, as_json: bool, colour: bool) -> None:
     """generate's one answer: streamed to stdout (the draft tokens the target kept in a second colour with
     `colour`), or one JSON object; the stats line, a full context's note; Ctrl-C exits 130 after both."""
-    from .terminal_chat import DRAFT_COLOUR, RESET
+    from ..terminal_chat import DRAFT_COLOUR, RESET
 
     try:
         for r in engine.stream(prompt):
@@ -650,7 +650,7 @@ def chat(system, colour, show_stats, **params) -> None:
     """Chat with a model in the terminal: history kept, the KV cache of earlier turns reused, answers streamed.
 
     Commands: /help, /reset, /stats, /exit. Ctrl-C stops an answer, Ctrl-D exits."""
-    from .terminal_chat import run_chat, use_colour
+    from ..terminal_chat import run_chat, use_colour
 
     engine, settings = load_engine(params, default_method="auto")
     with engine:
@@ -670,8 +670,8 @@ def serve(host, port, api_key, queue, alias, parallel, max_body, timeout, allowe
     in a slot of n_ctx / N tokens. Each request may override sampling and speculation
     (`"speculative": {"method": "vanilla", "draft_max": 3}`). Needs the server extra: pip install 'ggufspec[server]'."""
     try:
-        from .server import Limits, serve as run_server
-        from .server.boundary import default_max_body, default_max_connections
+        from ..server import Limits, serve as run_server
+        from ..server.boundary import default_max_body, default_max_connections
     except ImportError as e:
         if (e.name or "").partition(".")[0] == "ggufspec":  # a fault of ours, not a missing extra
             raise
@@ -690,8 +690,8 @@ def serve(host, port, api_key, queue, alias, parallel, max_body, timeout, allowe
 
 def _has_mtp(target: str) -> bool:
     """Whether the target's MTP head can draft here (mtp.py)."""
-    from .gguf_check import read_header
-    from .mtp import unavailable
+    from ..gguf_check import read_header
+    from ..mtp import unavailable
 
     path = Path(target).expanduser()
     return unavailable(read_header(path), path.name) is None
@@ -707,7 +707,7 @@ def _check_method(method: str, draft: str | None, medusa_path: str | None) -> No
 def _preset(name: str, draft_max: int, gpu: bool):
     """A preset, its files resolved (fetched as needed) for a GPU/Metal or CPU run, and its draft length unless the
     user gave --draft-max."""
-    from .hub import get_preset, resolve
+    from ..hub import get_preset, resolve
 
     p = get_preset(name)
     if p.method not in METHODS:
@@ -754,9 +754,9 @@ def bench(target, draft, preset, prompts_path, limit, per_category, methods, tem
           **model_opts) -> None:
     """Compare methods side by side on a prompt set: tok/s and speedup (median over repetitions, with their
     min-max), acceptance, time split. A warning on stderr names a cell whose spread is too wide to trust."""
-    from .bench import (BenchConfig, default_methods, default_prompts, format_table, load_prompts, run_bench,
+    from ..bench import (BenchConfig, default_methods, default_prompts, format_table, load_prompts, run_bench,
                         spread_warning, summarize, to_json)
-    from .engine import SpeculativeEngine
+    from ..engine import SpeculativeEngine
 
     prompts = load_prompts(prompts_path, limit, per_category)  # a bad file fails before any model is fetched
     if prompts_path is None:
@@ -780,7 +780,7 @@ def bench(target, draft, preset, prompts_path, limit, per_category, methods, tem
         _check_method(method, draft, medusa_path)
     medusa_vocab = _medusa_vocab(medusa_vocab, medusa_path)
     if plot_prefix:
-        from .plots import pyplot
+        from ..plots import pyplot
 
         pyplot()  # fail before the benchmark, not after it
     for what, path in (("-o", output), ("--plot", plot_prefix)):  # the same: a missing folder would lose the runs
@@ -808,16 +808,16 @@ def bench(target, draft, preset, prompts_path, limit, per_category, methods, tem
         Path(output).write_text(to_json(cfg, runs, rows, meta))
         click.echo(f"wrote {output}", err=True)
     if plot_prefix:
-        from .plots import write_plots
+        from ..plots import write_plots
 
         for path in write_plots(rows, plot_prefix, target=target, draft=draft, medusa=medusa_path):
             click.echo(f"wrote {path}", err=True)
 
 
 def _replay(target, draft, prompts, max_tokens: int, draft_max: int, options) -> None:
-    from .costs import measure
-    from .engine import SpeculativeEngine
-    from .replay import record, replay_table
+    from ..costs import measure
+    from ..engine import SpeculativeEngine
+    from ..replay import record, replay_table
 
     with SpeculativeEngine.load(target, draft, options) as engine:
         costs, spread = measure(engine.target, engine.draft, draft_max)
@@ -839,7 +839,7 @@ def pull(spec: str, gpu: bool) -> None:
 
     Files go to the Hugging Face cache (HF_HOME / HF_HUB_CACHE); HF_TOKEN and HF_HUB_OFFLINE are honoured.
     """
-    from .hub import pull as pull_files
+    from ..hub import pull as pull_files
 
     for path in pull_files(spec, gpu):
         click.echo(f"{path} ({path.stat().st_size / 1e6:.1f} MB)")
@@ -853,7 +853,7 @@ def _size(n: int) -> str:
 @click.option("--gpu", is_flag=True, help="Show the files of GPU/Metal runs (-ngl), not of CPU runs.")
 def models_cmd(gpu: bool) -> None:
     """List the presets, the files a run picks, whether they are already here, and their size on disk."""
-    from .hub import load_registry, status
+    from ..hub import load_registry, status
 
     rows = []
     for p in load_registry().values():
@@ -881,7 +881,7 @@ def models_cmd(gpu: bool) -> None:
 def doctor(target, draft, **model_opts) -> None:
     """Print versions, CPU features, the CPU kernels in use (and any avoided), where models' weights go: paste it
     into bug reports."""
-    from .doctor import report
+    from ..doctor import report
 
     click.echo(report(target, draft, decoder_options(**model_opts)))
 
@@ -898,8 +898,8 @@ def doctor(target, draft, **model_opts) -> None:
 def rpc_server(host, port, threads, cache_dir) -> None:
     """Lend this machine's GPU, or its CPU where it has none, to ggufspec on another machine (its --rpc
     HOST:PORT): llama.cpp's RPC server, one client at a time, until Ctrl-C."""
-    from .decoder import default_threads
-    from .rpc import NO_AUTH_WARNING, parse_endpoints, require, serve
+    from ..decoder import default_threads
+    from ..rpc import NO_AUTH_WARNING, parse_endpoints, require, serve
 
     require()
     endpoint = parse_endpoints(f"{host}:{port}")[0]
@@ -923,15 +923,12 @@ def rpc_server(host, port, threads, cache_dir) -> None:
 
 
 def _register_converters() -> None:
-    from .convert.commands import COMMANDS
+    from ..convert.commands import COMMANDS
 
     for command in COMMANDS:  # convert (hf, medusa), quantize, inspect
         main.add_command(command)
 
 
 _register_converters()
-from .medusa.cli import medusa  # noqa: E402  (the `ggufspec medusa train` group)
+from ..medusa.cli import medusa  # noqa: E402  (the `ggufspec medusa train` group)
 main.add_command(medusa)
-
-if __name__ == "__main__":
-    main()
