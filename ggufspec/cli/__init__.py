@@ -4,7 +4,6 @@ interrupted."""
 from __future__ import annotations
 
 import contextlib
-import inspect
 import json
 import sys
 import threading
@@ -15,109 +14,9 @@ import click
 
 from ..errors import EXIT_INTERRUPTED, GGUFSpecError
 from ..kv_types import KV_TYPES  # noqa: F401  (the names --kv-type takes; test_decoder checks them against llama.cpp's)
-from ..methods import METHODS, get_method
 from .group import main
+from .loading import check_method, decoder_options, has_mtp, load_engine, preset_files, resolve_medusa_vocab
 from .options import OPTIONS, options_for  # noqa: F401
-
-
-def decoder_options(n_ctx, n_batch, n_ubatch, threads, threads_batch, n_gpu_layers, rpc, tensor_split, rpc_draft,
-                    rpc_timeout, no_mmap, mlock, no_repack, flash_attn, fa, kv_type, kv_type_k, kv_type_v, verbose,
-                    log_disable, no_memory_check):
-    from ..decoder import DecoderOptions, gpu_offload
-    from ..rpc import parse_endpoints, require
-
-    endpoints = ()
-    if rpc is not None:
-        require()  # one error line naming the build flags, before anything loads
-        endpoints = tuple(map(str, parse_endpoints(rpc)))
-    elif rpc_draft:
-        raise click.UsageError("--rpc-draft needs --rpc.")
-    split = ()
-    if tensor_split is not None:
-        try:
-            split = tuple(float(w) for w in tensor_split.replace("/", ",").split(","))
-        except ValueError:
-            raise click.UsageError(f"--tensor-split takes weights like 3,1; got {tensor_split!r}.") from None
-
-    if fa is not None:
-        if flash_attn is not None and flash_attn != (fa == "on"):
-            raise click.UsageError(f"-fa {fa} contradicts --{'' if flash_attn else 'no-'}flash-attn.")
-        flash_attn = {"on": True, "off": False, "auto": None}[fa]
-    if n_gpu_layers != 0 and not gpu_offload() and not endpoints:  # as llama.cpp: a warning, the CPU's defaults stay
-        click.echo(f"warning: -ngl {n_gpu_layers} is ignored: this llama.cpp build has no GPU backend (reinstall "
-                   "llama-cpp-python with CMAKE_ARGS for CUDA or Metal, see README); running on the CPU", err=True)
-        n_gpu_layers = 0
-    try:
-        return DecoderOptions(
-            n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=threads, n_threads_batch=threads_batch,
-            n_gpu_layers=n_gpu_layers, rpc=endpoints, tensor_split=split, rpc_draft=rpc_draft, rpc_timeout=rpc_timeout,
-            use_mmap=not no_mmap, use_mlock=mlock, repack=not no_repack, flash_attn=flash_attn,
-            kv_type=kv_type, kv_type_k=kv_type_k, kv_type_v=kv_type_v,
-            verbose=verbose and not log_disable,  # as llama.cpp, where --log-disable pauses the log whatever -v says
-            memory_check=not no_memory_check,
-        )
-    except ValueError as e:
-        raise click.UsageError(str(e)) from None
-
-
-_GENERATION_KEYS = ("target", "draft", "preset", "method", "max_tokens", "temp", "top_k", "top_p", "min_p", "seed",
-                    "draft_max", "draft_p_min", "medusa_path", "medusa_tree", "medusa_vocab", "typical", "stop")
-_MODEL_KEYS = tuple(inspect.signature(decoder_options).parameters)
-
-
-def load_engine(params: dict, default_method: str | None = None, parallel: int | None = None, **settings_extra):
-    """The engine and settings of generate's, chat's and serve's shared options (taken out of `params`): a preset
-    resolved and fetched, the combination checked, the models loaded; default_method when none is given (None: the
-    engine's). With `parallel`, an EnginePool of that many slots instead of one engine (-c is then the whole cache,
-    as llama-server's: each slot holds n_ctx // parallel tokens)."""
-    from ..engine import GenerationSettings, SpeculativeEngine
-    from ..sampling import SamplingParams
-
-    g = {k: params.pop(k) for k in _GENERATION_KEYS}
-    ignore_eos = params.pop("ignore_eos", False)  # generate's and serve's (a chat turn would never end)
-    template = params.pop("chat_template")
-    options = decoder_options(**{k: params.pop(k) for k in _MODEL_KEYS})
-    method = _spec_method(g["method"], params.pop("spec_type"))
-    target, draft, medusa_path, draft_max = g["target"], g["draft"], g["medusa_path"], g["draft_max"]
-    if target is None:
-        target, draft, medusa_path, method, draft_max = _from_preset(g["preset"] or "demo", draft, medusa_path, method,
-                                                                     draft_max, gpu=options.offloads)
-    elif g["preset"] is not None:
-        raise click.UsageError("give either --preset NAME or -m TARGET.gguf, not both.")
-    method = method or default_method
-    if method is not None:
-        _check_method(method, draft, medusa_path)
-    medusa_vocab = _medusa_vocab(g["medusa_vocab"], medusa_path)
-    settings = GenerationSettings(
-        max_tokens=g["max_tokens"] or options.n_ctx, sampling=SamplingParams(g["temp"], g["top_k"], g["top_p"], g["min_p"]),
-        method=method, draft_max=draft_max, draft_p_min=g["draft_p_min"], seed=g["seed"], stop=tuple(g["stop"]),
-        medusa_tree=g["medusa_tree"], typical=g["typical"], ignore_eos=ignore_eos, **settings_extra,
-    )
-    if parallel is not None:
-        from ..pool import EnginePool
-
-        pool = EnginePool.load(target, draft, options, settings, medusa_path, medusa_vocab, parallel=parallel)
-        for slot in pool.slots:
-            slot.engine.chat_template = template or slot.engine.chat_template
-        return pool, settings
-    engine = SpeculativeEngine.load(target, draft, options, settings, medusa_path=medusa_path, medusa_vocab=medusa_vocab)
-    engine.chat_template = template or engine.chat_template  # --chat-template over the GGUF's
-    return engine, settings
-
-
-def _spec_method(method: str | None, spec_method: str | None) -> str | None:
-    """--method, or the method --spec-type (llama.cpp's spelling, SpecType) asks for; both must agree."""
-    if spec_method is not None and method is not None and spec_method != method:
-        raise click.UsageError(f"--spec-type asks for --method {spec_method} here, which contradicts --method "
-                               f"{method}: give one of them.")
-    return spec_method or method
-
-
-def _medusa_vocab(value: str | None, medusa_path: str | None) -> int | str | None:
-    """--medusa-vocab as SpeculativeEngine.load takes it: a number of ids, or a file of ids."""
-    if value is not None and medusa_path is None:
-        raise click.UsageError("--medusa-vocab restricts Medusa heads: give them with --medusa HEADS.gguf (or a Medusa --preset)")
-    return int(value) if value is not None and value.strip().lstrip("+-").isdigit() else value
 
 
 @main.command()
@@ -304,48 +203,6 @@ def serve(host, port, api_key, queue, alias, parallel, max_body, timeout, allowe
                    lambda line: click.echo(line, err=True))
 
 
-def _has_mtp(target: str) -> bool:
-    """Whether the target's MTP head can draft here (mtp.py)."""
-    from ..gguf_check import read_header
-    from ..mtp import unavailable
-
-    path = Path(target).expanduser()
-    return unavailable(read_header(path), path.name) is None
-
-
-def _check_method(method: str, draft: str | None, medusa_path: str | None) -> None:
-    try:
-        get_method(method, draft is not None, medusa_path is not None)
-    except GGUFSpecError as e:
-        raise click.UsageError(str(e)) from None
-
-
-def _preset(name: str, draft_max: int, gpu: bool):
-    """A preset, its files resolved (fetched as needed) for a GPU/Metal or CPU run, and its draft length unless the
-    user gave --draft-max."""
-    from ..hub import get_preset, resolve
-
-    p = get_preset(name)
-    if p.method not in METHODS:
-        raise GGUFSpecError(f"preset {name!r} uses method {p.method!r}, which this build's generate does not offer.")
-    r = resolve(p, gpu=gpu)
-    if click.get_current_context().get_parameter_source("draft_max") == click.core.ParameterSource.DEFAULT:
-        draft_max = p.draft_max
-    return p, r, draft_max
-
-
-def _from_preset(name: str, draft: str | None, medusa: str | None, method: str | None, draft_max: int, gpu: bool
-                 ) -> tuple[str, str | None, str | None, str, int]:
-    """Target (the preset's GPU/Metal or CPU file), draft, heads, method and draft length of a preset (fetched as
-    needed); what the user gave wins."""
-    p, r, draft_max = _preset(name, draft_max, gpu)
-    method = method or p.method
-    m = METHODS[method]
-    if draft is None and "draft" in m.proposers and r.draft is not None:
-        draft = str(r.draft)
-    if medusa is None and m.needs == "heads" and r.medusa is not None:
-        medusa = str(r.medusa)
-    return str(r.target), draft, medusa, method, draft_max
 
 
 def _finish(result, show_stats: bool, as_json: bool) -> None:
@@ -381,7 +238,7 @@ def bench(target, draft, preset, prompts_path, limit, per_category, methods, tem
     options = decoder_options(**model_opts)
     if target is None:  # as generate/chat/serve: the preset's files, the offline demo pair by default
         preset = preset or "demo"
-        _, r, draft_max = _preset(preset, draft_max, options.offloads)
+        _, r, draft_max = preset_files(preset, draft_max, options.offloads)
         target = str(r.target)
         draft = draft or (str(r.draft) if r.draft else None)
         medusa_path = medusa_path or (str(r.medusa) if r.medusa else None)
@@ -391,10 +248,10 @@ def bench(target, draft, preset, prompts_path, limit, per_category, methods, tem
         if draft is None:
             raise click.UsageError("--replay needs a draft model: -d DRAFT.gguf")
         return _replay(target, draft, prompts, max_tokens, draft_max, options)
-    methods = methods or default_methods(draft is not None, medusa_path is not None, _has_mtp(target))
+    methods = methods or default_methods(draft is not None, medusa_path is not None, has_mtp(target))
     for method in methods:
-        _check_method(method, draft, medusa_path)
-    medusa_vocab = _medusa_vocab(medusa_vocab, medusa_path)
+        check_method(method, draft, medusa_path)
+    medusa_vocab = resolve_medusa_vocab(medusa_vocab, medusa_path)
     if plot_prefix:
         from ..plots import pyplot
 
