@@ -3,177 +3,19 @@ interrupted."""
 
 from __future__ import annotations
 
-import contextlib
-import json
 import sys
 import threading
 from pathlib import Path
-from typing import Mapping
 
 import click
 
-from ..errors import EXIT_INTERRUPTED, GGUFSpecError
+from ..errors import GGUFSpecError
 from ..kv_types import KV_TYPES  # noqa: F401  (the names --kv-type takes; test_decoder checks them against llama.cpp's)
+from .generate import chat, generate
 from .group import main
 from .loading import check_method, decoder_options, has_mtp, load_engine, preset_files, resolve_medusa_vocab
 from .options import OPTIONS, options_for  # noqa: F401
-
-
-@main.command()
-@click.argument("prompt", required=False)
-@options_for("generate")
-def generate(prompt, prompt_option, prompt_file, escape, chat, raw, system, truncate_prompt, context_shift, colour,
-             show_stats, as_json, batch_path, output, parallel, **params) -> None:
-    """Generate text from PROMPT (`-` reads standard input; or -p TEXT, -f FILE).
-
-    A model with a chat template gets PROMPT as a user message in it (as llama-cli and mlx_lm.generate do);
-    --raw gives it the text as it is.
-
-    Batch jobs: --batch PROMPTS.jsonl -o OUT.jsonl [--parallel N] generates every prompt of a file, N at once,
-    each result a line of OUT.jsonl; run again after an interruption, it generates only what is missing."""
-    if raw and (chat or system is not None):
-        raise click.UsageError("--raw gives the prompt as it is: it does not go with --chat or --system.")
-    if batch_path is not None:
-        given = [name for name, v in (("a PROMPT", prompt), ("-p", prompt_option), ("-f", prompt_file),
-                                      ("-e/--escape", escape or None), ("--color", colour or None)) if v is not None]
-        if given:
-            raise click.UsageError(f"--batch reads the prompts from {batch_path}: it does not go with {given[0]}.")
-        if as_json:
-            raise click.UsageError("--batch writes JSON lines to -o already: leave out --json.")
-        if output is None:
-            raise click.UsageError("--batch needs -o OUT.jsonl, the file each prompt's result goes to (and a rerun "
-                                   "resumes from).")
-        from ..batch_jobs import run_batch
-
-        code = run_batch(batch_path=batch_path, output=output, parallel=parallel, chat=chat, raw=raw, system=system,
-                         show_stats=show_stats, truncate_prompt=truncate_prompt, context_shift=context_shift,
-                         params=params, load_engine=load_engine)
-        if code:
-            sys.exit(code)
-        return
-    if output is not None:
-        raise click.UsageError("-o/--output is where --batch writes its results: give --batch PROMPTS.jsonl too "
-                               "(one prompt prints to stdout; --json gives it as JSON).")
-    if parallel != 1:
-        raise click.UsageError(f"--parallel {parallel} generates several prompts at once with --batch; one prompt "
-                               "runs in one slot.")
-    if as_json and colour:
-        raise click.UsageError("--color colours the streamed text, and --json streams none: leave out one of them.")
-    prompt = _prompt_text(prompt, prompt_option, prompt_file, escape)
-    if escape:  # as llama.cpp, which processes the reverse prompts' escapes too
-        params["stop"] = tuple(_escaped(s, f"--stop {s!r}") for s in params["stop"])
-    from ..waiting import hidden
-
-    with hidden() if as_json else contextlib.nullcontext():  # JSON is for a program to read: no spinner on stderr
-        engine, _ = load_engine(params, truncate_prompt=truncate_prompt, context_shift=context_shift)
-        try:
-            templated = not raw and (chat or system is not None or engine.has_chat_template)
-            messages = [{"role": "system", "content": system}] if system else []
-            messages.append({"role": "user", "content": prompt})
-            _stream(engine, messages if templated else prompt, show_stats, as_json, bool(colour))
-        finally:
-            engine.close()
-
-
-def _stream(engine, prompt, show_stats: bool, as_json: bool, colour: bool) -> None:
-    """generate's one answer: streamed to stdout (the draft tokens the target kept in a second colour with
-    `colour`), or one JSON object; the stats line, a full context's note; Ctrl-C exits 130 after both."""
-    from ..terminal_chat import DRAFT_COLOUR, RESET
-
-    try:
-        for r in engine.stream(prompt):
-            if not as_json and r.text:
-                sys.stdout.write(f"{DRAFT_COLOUR}{r.text}{RESET}" if colour and r.from_draft else r.text)
-                sys.stdout.flush()
-    except KeyboardInterrupt:
-        _finish(engine.last_result, show_stats, as_json)
-        sys.exit(EXIT_INTERRUPTED)
-    _finish(engine.last_result, show_stats, as_json)
-    if engine.last_result is not None and engine.last_result.stop_reason == "length" and not as_json:
-        click.echo(f"(stopped: the context of {engine.n_ctx} tokens is full; raise -c/--ctx-size, or go on past it "
-                   "with --context-shift)", err=True)
-
-
-# -e/--escape: llama.cpp's string_process_escapes (common/common.cpp). A backslash before one of these gives its byte;
-# before x and two hex digits, the byte they spell; before anything else (and at the end) it stays, as does that.
-ESCAPES: Mapping[int, int] = {ord(k): ord(v) for k, v in (("n", "\n"), ("r", "\r"), ("t", "\t"), ("'", "'"),
-                                                            ('"', '"'), ("\\", "\\"))}
-HEX_DIGITS = frozenset(b"0123456789abcdefABCDEF")
-
-
-def process_escapes(data: bytes) -> bytes:
-    """`data` with its escapes processed as llama.cpp's -e does (ESCAPES); bytes in, bytes out, since \\xNN may
-    spell part of a UTF-8 character."""
-    out, i = bytearray(), 0
-    while i < len(data):
-        c, nxt = data[i], data[i + 1] if i + 1 < len(data) else None
-        if c != ord("\\") or nxt is None:
-            out.append(c)
-            i += 1
-        elif nxt in ESCAPES:
-            out.append(ESCAPES[nxt])
-            i += 2
-        elif nxt == ord("x") and len(data) > i + 3 and {data[i + 2], data[i + 3]} <= HEX_DIGITS:
-            out.append(int(data[i + 2:i + 4], 16))
-            i += 4
-        else:
-            out += data[i:i + 2]
-            i += 2
-    return bytes(out)
-
-
-def _escaped(text: str, where: str) -> str:
-    """`text` with its escapes processed; a usage error when they spell bytes that are not UTF-8."""
-    data = process_escapes(text.encode("utf-8", "surrogateescape"))
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise click.UsageError(f"{where}: with -e its escapes give byte 0x{data[e.start]:02x} at offset {e.start}, "
-                               "which is not UTF-8 text.") from None
-
-
-def _prompt_text(argument: str | None, option: str | None, file, escape: bool = False) -> str:
-    """The one prompt given as PROMPT, -p or -f (`-` as PROMPT or FILE: standard input), its escapes processed with
-    `escape` (-e), checked to be UTF-8 text (Python hands undecodable bytes of argv and stdin on as surrogates, which
-    fail later, far from the input)."""
-    given = [x for x in (argument, option, file) if x is not None]
-    if len(given) != 1:
-        raise click.UsageError("give the prompt once: as PROMPT, -p TEXT or -f FILE." if given else
-                               "no prompt: give it as PROMPT, -p TEXT or -f FILE (`-` reads standard input).")
-    if argument == "-":
-        data, where = sys.stdin.buffer.read(), "standard input"
-    elif file is not None:
-        data, where = file.read(), "standard input" if file.name in ("<stdin>", "-") else file.name
-    else:
-        text = argument if argument is not None else option
-        data, where = text.encode("utf-8", "surrogateescape"), "the prompt"
-    if escape:
-        data, where = process_escapes(data), f"{where} (its escapes processed)"
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise GGUFSpecError(f"{where} is not UTF-8 text: byte 0x{data[e.start]:02x} at offset {e.start} "
-                            f"(convert it first, e.g. iconv -f LATIN1 -t UTF-8)") from None
-    if not text.strip():
-        raise click.UsageError("the prompt is empty.")
-    return text
-
-
-@main.command()
-@options_for("chat")
-def chat(system, colour, show_stats, **params) -> None:
-    """Chat with a model in the terminal: history kept, the KV cache of earlier turns reused, answers streamed.
-
-    Commands: /help, /reset, /stats, /exit. Ctrl-C stops an answer, Ctrl-D exits."""
-    from ..terminal_chat import run_chat, use_colour
-
-    engine, settings = load_engine(params, default_method="auto")
-    with engine:
-        if not engine.has_chat_template:
-            raise GGUFSpecError(f"{engine.target.path} has no chat template (tokenizer.chat_template): "
-                                "use `ggufspec generate` for plain completion.")
-        click.echo(f"ggufspec chat: {engine.describe(settings)}", err=True)
-        run_chat(engine, settings, system, use_colour(colour, sys.stdout), show_stats)
+from .prompt_input import process_escapes  # noqa: F401
 
 
 @main.command()
@@ -203,21 +45,6 @@ def serve(host, port, api_key, queue, alias, parallel, max_body, timeout, allowe
                    lambda line: click.echo(line, err=True))
 
 
-
-
-def _finish(result, show_stats: bool, as_json: bool) -> None:
-    if result is None:
-        return
-    if as_json:
-        click.echo(json.dumps({
-            "text": result.text, "tokens": result.tokens, "stop_reason": result.stop_reason,
-            "stats": result.stats.to_dict(),
-        }))
-    else:
-        sys.stdout.write("\n")
-        sys.stdout.flush()
-    if show_stats:
-        click.echo(result.stats.line(), err=True)
 
 
 @main.command()
@@ -393,6 +220,10 @@ def rpc_server(host, port, threads, cache_dir) -> None:
     while server.is_alive():
         server.join(0.5)
     raise failed[0]
+
+
+for _command in (generate, chat):  # the commands of this package's modules
+    main.add_command(_command)
 
 
 def _register_converters() -> None:
