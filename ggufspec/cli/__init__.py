@@ -9,42 +9,13 @@ from pathlib import Path
 
 import click
 
-from ..errors import GGUFSpecError
 from ..kv_types import KV_TYPES  # noqa: F401  (the names --kv-type takes; test_decoder checks them against llama.cpp's)
 from .generate import chat, generate
 from .group import main
-from .loading import check_method, decoder_options, has_mtp, load_engine, preset_files, resolve_medusa_vocab
+from .loading import check_method, decoder_options, has_mtp, preset_files, resolve_medusa_vocab
 from .options import OPTIONS, options_for  # noqa: F401
 from .prompt_input import process_escapes  # noqa: F401
-
-
-@main.command()
-@options_for("serve")
-def serve(host, port, api_key, queue, alias, parallel, max_body, timeout, allowed_hosts, cors_origins, **params) -> None:
-    """An OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /health, /slots.
-
-    Up to --parallel requests generate at once (continuous batching: their decodes share llama.cpp batches), each
-    in a slot of n_ctx / N tokens. Each request may override sampling and speculation
-    (`"speculative": {"method": "vanilla", "draft_max": 3}`). Needs the server extra: pip install 'ggufspec[server]'."""
-    try:
-        from ..server import Limits, serve as run_server
-        from ..server.boundary import default_max_body, default_max_connections
-    except ImportError as e:
-        if (e.name or "").partition(".")[0] == "ggufspec":  # a fault of ours, not a missing extra
-            raise
-        raise GGUFSpecError(f"`ggufspec serve` needs the server extra ({e.name} is missing): "
-                            "pip install 'ggufspec[server]'") from None
-
-    pool, settings = load_engine(params, default_method="auto", parallel=parallel)  # --parallel 1: one slot
-    with pool:
-        engine = pool.engine  # slot 0's: n_ctx is a slot's, the longest prompt plus answer
-        limits = Limits(max_body=max_body or default_max_body(engine.n_ctx * pool.parallel), timeout=timeout,
-                        max_connections=default_max_connections(), allowed_hosts=frozenset(allowed_hosts),
-                        cors_origins=tuple(cors_origins))
-        run_server(pool, settings, alias or engine.target.path.name, host, port, queue, api_key, limits,
-                   lambda line: click.echo(line, err=True))
-
-
+from .serve import serve
 
 
 @main.command()
@@ -222,7 +193,7 @@ def rpc_server(host, port, threads, cache_dir) -> None:
     raise failed[0]
 
 
-for _command in (generate, chat):  # the commands of this package's modules
+for _command in (generate, chat, serve):  # the commands of this package's modules
     main.add_command(_command)
 
 
