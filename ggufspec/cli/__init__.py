@@ -3,103 +3,19 @@ interrupted."""
 
 from __future__ import annotations
 
-import sys
 import threading
 from pathlib import Path
 
 import click
 
 from ..kv_types import KV_TYPES  # noqa: F401  (the names --kv-type takes; test_decoder checks them against llama.cpp's)
+from .bench import bench
 from .generate import chat, generate
 from .group import main
-from .loading import check_method, decoder_options, has_mtp, preset_files, resolve_medusa_vocab
+from .loading import decoder_options
 from .options import OPTIONS, options_for  # noqa: F401
 from .prompt_input import process_escapes  # noqa: F401
 from .serve import serve
-
-
-@main.command()
-@options_for("bench")
-def bench(target, draft, preset, prompts_path, limit, per_category, methods, temps, max_tokens, repeats, warmup, draft_max,
-          draft_p_min, seed, medusa_path, medusa_tree, medusa_vocab, fresh, output, plot_prefix, replay,
-          **model_opts) -> None:
-    """Compare methods side by side on a prompt set: tok/s and speedup (median over repetitions, with their
-    min-max), acceptance, time split. A warning on stderr names a cell whose spread is too wide to trust."""
-    from ..bench import (BenchConfig, default_methods, default_prompts, format_table, load_prompts, run_bench,
-                        spread_warning, summarize, to_json)
-    from ..engine import SpeculativeEngine
-
-    prompts = load_prompts(prompts_path, limit, per_category)  # a bad file fails before any model is fetched
-    if prompts_path is None:
-        prompts_path = default_prompts()
-        click.echo(f"prompts: the built-in set, {len(prompts)} of them (-p FILE for your own)", err=True)
-    options = decoder_options(**model_opts)
-    if target is None:  # as generate/chat/serve: the preset's files, the offline demo pair by default
-        preset = preset or "demo"
-        _, r, draft_max = preset_files(preset, draft_max, options.offloads)
-        target = str(r.target)
-        draft = draft or (str(r.draft) if r.draft else None)
-        medusa_path = medusa_path or (str(r.medusa) if r.medusa else None)
-    elif preset is not None:
-        raise click.UsageError("give either --preset NAME or -m TARGET.gguf, not both.")
-    if replay:
-        if draft is None:
-            raise click.UsageError("--replay needs a draft model: -d DRAFT.gguf")
-        return _replay(target, draft, prompts, max_tokens, draft_max, options)
-    methods = methods or default_methods(draft is not None, medusa_path is not None, has_mtp(target))
-    for method in methods:
-        check_method(method, draft, medusa_path)
-    medusa_vocab = resolve_medusa_vocab(medusa_vocab, medusa_path)
-    if plot_prefix:
-        from ..plots import pyplot
-
-        pyplot()  # fail before the benchmark, not after it
-    for what, path in (("-o", output), ("--plot", plot_prefix)):  # the same: a missing folder would lose the runs
-        if path is not None and not Path(path).expanduser().resolve().parent.is_dir():
-            raise click.UsageError(f"{what} {path}: the folder {Path(path).expanduser().resolve().parent} does not exist.")
-    cfg = BenchConfig(methods=tuple(methods), temperatures=tuple(temps) or (0.0,), max_tokens=max_tokens,
-                      repeats=repeats, warmup=warmup, draft_max=draft_max, draft_p_min=draft_p_min, seed=seed,
-                      fresh=fresh, medusa_tree=medusa_tree)
-    with SpeculativeEngine.load(target, draft, options, medusa_path=medusa_path,
-                                medusa_vocab=medusa_vocab) as engine:
-        total = len(prompts) * len(cfg.methods) * cfg.repeats * len(cfg.temperatures)
-        with click.progressbar(length=total, label="benchmarking", file=sys.stderr) as bar:
-            runs = run_bench(engine, prompts, cfg, bar.update)
-        kv_type = engine.target.kv_cache  # the default depends on the device, on flash attention and on the CPU
-    rows = summarize(runs)
-    click.echo(format_table(rows))
-    warning = spread_warning(rows)
-    if warning:
-        click.echo(warning, err=True)
-    if output:
-        meta = {"target": str(target), "draft": str(draft) if draft else None, "medusa": medusa_path, "preset": preset,
-                "medusa_vocab": medusa_vocab,
-                "prompts": str(prompts_path),
-                "threads": options.n_threads, "kv_type": kv_type}
-        Path(output).write_text(to_json(cfg, runs, rows, meta))
-        click.echo(f"wrote {output}", err=True)
-    if plot_prefix:
-        from ..plots import write_plots
-
-        for path in write_plots(rows, plot_prefix, target=target, draft=draft, medusa=medusa_path):
-            click.echo(f"wrote {path}", err=True)
-
-
-def _replay(target, draft, prompts, max_tokens: int, draft_max: int, options) -> None:
-    from ..costs import measure
-    from ..engine import SpeculativeEngine
-    from ..replay import record, replay_table
-
-    with SpeculativeEngine.load(target, draft, options) as engine:
-        costs, spread = measure(engine.target, engine.draft, draft_max)
-        with click.progressbar(length=len(prompts), label="recording", file=sys.stderr) as bar:
-            traces = record(engine, prompts, max_tokens, bar.update)
-    verify = " ".join(f"{v * 1e3:.1f}" for v in costs.verify)
-    click.echo(f"cost model: target ms for 1..{draft_max + 1} tokens {verify}; draft {costs.draft * 1e3:.1f} ms/token"
-               f" (spread {spread:.2f})")
-    click.echo(f"{'category':16} {'policy':15} {'tok/s':>7} {'speedup':>8} {'tok/pass':>9}")
-    for cat, policy, r, speedup in replay_table(traces, costs, draft_max, max_tokens):
-        click.echo(f"{cat:16} {policy:15} {r.tokens_per_s:7.2f} {speedup:7.2f}x {r.tokens_per_pass:9.2f}")
 
 
 @main.command()
@@ -193,7 +109,7 @@ def rpc_server(host, port, threads, cache_dir) -> None:
     raise failed[0]
 
 
-for _command in (generate, chat, serve):  # the commands of this package's modules
+for _command in (generate, chat, serve, bench):  # the commands of this package's modules
     main.add_command(_command)
 
 
