@@ -13,8 +13,8 @@ os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
 
 def _start_llama_cpp() -> None:
-    """Load llama.cpp and start its backends before anything else loads native code. On an H200 with a CUDA 13 build
-    (docs/benchmarks-parallel.md, "On a GPU"), every model load crashed (SIGSEGV in llama_model_load_from_file) in a
+    """Load llama.cpp and start its backends before anything else loads native code. With a CUDA 13 build on an
+    H200 (docs/benchmarks.md, "On a GPU"), every model load crashed (SIGSEGV in llama_model_load_from_file) in a
     process that had imported gguf, sentencepiece or torch first, ggufspec's command line included; with llama.cpp
     loaded and its devices enumerated first, the same loads ran. Cheap on a CPU build (no GPU to start)."""
     try:

@@ -90,7 +90,7 @@ class Decoder(Protocol):
 # KV cache types llama.cpp accepts (its --cache-type-k/-v); all but the unquantized need flash attention.
 from .kv_types import KV_TYPES, UNQUANTIZED_KV  # noqa: E402  (apart, for the command line)
 # On CPU a prefill runs about as fast in 64-token micro-batches as in 512-token ones, and their activations take
-# less memory (docs/memory.md)
+# less memory (docs/memory.md). docs/methods.md#measured-constants: CPU_UBATCH
 CPU_UBATCH = 64
 # Batches of more tokens than this (prefills) run with llama_log.abort_check, so that Ctrl-C stops them between
 # graph nodes rather than after the whole batch; smaller ones (verification chains and trees, Medusa's of up to 64
@@ -440,6 +440,15 @@ class LlamaCppDecoder:
     def shared(self) -> bool:
         """Whether this decoder is a slot of a shared context."""
         return self._lockstep is not None
+
+    def pad_chains(self, price: Price | None, pad_max: int) -> None:
+        """How this slot's shared context runs uneven chains from now on, for every slot of it: with `price` (a
+        micro-batch's seconds by its shape, e.g. CostModel.micro_seconds) chains of up to `pad_max` tokens are padded
+        to one length where that costs less (lockstep.even_lanes); price None (the default): batches run as
+        submitted. GGUFSpecError on a decoder with a context of its own."""
+        if self._runner is None:
+            raise GGUFSpecError("pad_chains needs a slot of a shared context (LlamaCppDecoder.slots)")
+        self._runner.price, self._runner.pad_max = price, pad_max
 
     def _locked(self) -> AbstractContextManager:
         """Held around every use of a shared context (nothing for a context of one's own)."""
@@ -970,8 +979,7 @@ class _SharedContext:
                     s.nextn = rows[at : at + len(s.tokens)].copy()
                 at += ran[seq] if ran is not None else len(s.tokens)
         # llama.cpp keeps the output rows in batch order, each submission's together: one view of the batch, a slice
-        # copy each (a view and a stack per row took 1.9 ms a tick for 8 slots' chains of 4, against 0.3 ms so:
-        # docs/benchmarks-parallel.md, "the engine's share")
+        # copy each (a view and a stack per row cost several times as much, on every tick)
         counts = [sum(map(bool, s.outputs)) for s in subs]
         n_out = sum(counts)
         logits = _buffer_rows(self._views, llama_cpp.llama_get_logits(o._ctx), n_out, o.n_vocab)

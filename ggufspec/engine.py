@@ -6,7 +6,8 @@ import os
 import threading
 import time
 from pathlib import Path
-from collections.abc import Callable, Iterator
+from types import MappingProxyType
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import closing
 from dataclasses import dataclass, field, replace
 from typing import Literal
@@ -232,6 +233,13 @@ class SpeculativeEngine:
                                      special_ids(t.vocab) if medusa_vocab is not None else ())
 
     # --- prompts --------------------------------------------------------------------------
+
+    @property
+    def auto_policies(self) -> Mapping[tuple[bool, bool], AutoPolicy]:
+        """The `auto` policies this engine keeps across generations (read-only), by (with a draft model, with an MTP
+        head): each appears when auto_policy() first makes it, before the prefill of the generation that uses it,
+        and is replaced when the cost model or draft_max changes."""
+        return MappingProxyType(self._auto)
 
     @property
     def n_ctx(self) -> int:

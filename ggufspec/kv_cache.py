@@ -107,8 +107,21 @@ def choose(open_probe: OpenProbe, threads: int) -> str:
     return _chosen[path]
 
 
+def forget_choice() -> None:
+    """Drop this process's choice for the current cache file (cache_path()), so that the next resolve reads that file
+    again (and measures where it holds no valid choice), as a new process would; no I/O. For a process whose cache
+    file changed under it (a test editing the table)."""
+    _chosen.pop(cache_path(), None)
+
+
+def choice_key(threads: int) -> str:
+    """The key under which cache_path()'s table holds this machine's choice for a default decoder of `threads`
+    threads: the JSON of [machine_cache.machine(), threads, the tokens the probe attends to]."""
+    return json.dumps([machine(), threads, _CELLS])
+
+
 def _read_or_measure(path: Path, open_probe: OpenProbe, threads: int) -> str:
-    key = json.dumps([machine(), threads, _CELLS])
+    key = choice_key(threads)
     choice = read_entry(path, key, check_v_type)
     if choice is not None:
         return choice

@@ -81,18 +81,16 @@ class Lockstep:
     Drafts first: while any member waits on a `leads` runner (the draft model's context), a tick runs only those,
     and the others' submissions wait for the next. So every slot's verification meets the others' in one target
     batch however many tokens each drafted, as llama-server's loop drafts for every slot and then decodes one
-    batch. Otherwise a slot drafting k tokens verifies out of step with the others, alone in a batch of its own
-    (docs/benchmarks-parallel.md, run 5).
+    batch. Otherwise a slot drafting k tokens verifies out of step with the others, alone in a batch of its own.
 
     Every tick runs on that thread: with llama.cpp's OpenMP build, a decode from another thread than the one that
-    decoded before ran at half speed on 2 cores (all ticks on the member that arrived last: 9-11 tok/s where the
-    same decodes on one thread gave 15-17, docs/benchmarks-parallel.md)."""
+    decoded before runs at about half speed, so no decode may run on a member's own thread."""
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
         # two conditions on it, so that a submission wakes only the decode thread, and only when it completes a tick:
         # with one condition for both, every submission woke every waiting member too (N^2 wake-ups a tick, each a
-        # turn of Python's lock: docs/benchmarks-parallel.md, "the engine's share")
+        # turn of Python's lock)
         self._ready = threading.Condition(self.lock)  # the decode thread waits here for a complete tick
         self._ticked = threading.Condition(self.lock)  # members wait here for their tick to run
         self._members = 0
@@ -194,10 +192,9 @@ Price = Callable[[int, int], float]  # seconds for a micro-batch of `each` token
 def even_lanes(lanes: Sequence[int], seconds: Price, longest: int) -> tuple[int, ...]:
     """`lanes` with the shorter ones padded up to a common length of at most `longest` (a step's chain), the idle
     sequences among them (0) too or not, where that costs less by `seconds` (a micro-batch's price by its shape) than
-    the micro-batches of the lanes as they are; else as they are. Eight slots' 2-token chains with two plain steps
-    among them ran in 4 micro-batches (7 decodes on the AMX Xeon), padded in one of 16 tokens (3.9); four slots'
-    plain steps with idle slots between them, (1, 1, 0, 0, 0, 1, 1), ran in two passes, 509 ms a tick, where 8
-    slots' took 308 (docs/benchmarks-parallel.md, run 10). Prompt chunks are not padded, nor idle sequences beside
+    the micro-batches of the lanes as they are; else as they are. Uneven chains, or busy slots with idle ones between
+    them, run in several micro-batches, each priced near a pass of its own; padded, they run in one, which on a CPU
+    costs far less than the passes' sum. Prompt chunks are not padded, nor idle sequences beside
     them: llama.cpp also cuts those at n_ubatch, which micro_batches does not price. The pads' outputs are not read
     and their cells are removed after the batch (decoder._SharedContext), so no sequence's tokens change: each
     sequence's rows attend only to its own stream, its earlier tokens."""

@@ -2,7 +2,7 @@
 and how a table is read and written.
 
 A leaf: it imports from ggufspec only the leaves `errors` and `outputs` (the temp-file rule every writer shares), so
-costs.py and kv_cache.py both build on it without importing each other.
+costs/ and kv_cache.py both build on it without importing each other.
 
 Contract of a table: a JSON object from keys (which name the machine, see `machine`) to measurements. What it
 holds never makes a run fail: a missing, unreadable or malformed file, or an entry its reader rejects, is a

@@ -112,10 +112,9 @@ class EnginePool:
             e.load_heads(medusa_path, medusa_vocab)
             e.answers, e.slot_records, e.mtp_records = answers, records, mtp_records
         if costs is None:  # measured by one slot alone, now: later, the other slots' batches would ride along
-            # also the batches of every slot's token and of two each (a plain step and one draft each): interpolated
-            # between 5 and 16 tokens, a batch of 8 was priced 10% over its cost on the AMX Xeon, and what the
-            # slots' 8-token batches taught bent the price of 16 to 1.8 times its own (docs/benchmarks-parallel.md,
-            # run 8)
+            # also the batches of every slot's token and of two each (a plain step and one draft each), the sizes
+            # a pool's steps run: interpolated between measured sizes their price is off (the curve is not smooth),
+            # and what their batches taught would bend a neighbouring size's price
             sizes = sorted({*LONG_BATCHES, parallel, 2 * parallel})
             costs = cached_measure(targets[0], drafts[0], settings.draft_max, sizes, mtp=mtps[0])
             if parallel > 1:  # and as the slots run them: 1 to 3 tokens of every slot, and the draft model's batch
@@ -128,8 +127,7 @@ class EnginePool:
             for e in engines:
                 e.costs = costs
         if parallel > 1:  # the target's uneven chains are padded to one length where that costs less
-            targets[0]._runner.price = costs.micro_seconds
-            targets[0]._runner.pad_max = settings.draft_max + 1
+            targets[0].pad_chains(costs.micro_seconds, settings.draft_max + 1)
         return cls([Slot(i, e) for i, e in enumerate(engines)], lockstep)
 
     @property

@@ -64,6 +64,13 @@ class Wait:
         self._thread: threading.Thread | None = None
         self._width = 0  # characters drawn on the line so far, erased by stop()
 
+    @property
+    def spinning(self) -> bool:
+        """Whether this wait runs a spinner: True from a start() that the rules allowed (see the module's contract)
+        until stop(), even before its first frame is drawn (`after` seconds in); False for a wait that shows
+        nothing (a pipe, another thread, inside another wait, show=False, hidden())."""
+        return self._thread is not None
+
     def start(self, show: bool = True) -> Wait:
         """Start the spinner's thread where `show` and wanted() allow it and no other spinner is on screen."""
         if show and wanted(self.stream) and _showing.acquire(blocking=False):

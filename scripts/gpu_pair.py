@@ -17,7 +17,7 @@ shape and cost of the bench pair's target (30 layers of width 2304, 2.1B weights
 draft is the unwidened model and the target a widened, requantized copy of it.
 
 Two processes: this one writes the F16 file with gguf and numpy; a child (`--quantize`) imports ggufspec first
-(llama.cpp must start its backends before gguf loads, docs/benchmarks-parallel.md "On a GPU") and quantizes it with
+(llama.cpp must start its backends before gguf loads, docs/benchmarks.md, "On a GPU") and quantizes it with
 llama.cpp's quantizer on all cores.
 """
 

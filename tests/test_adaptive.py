@@ -9,7 +9,7 @@ import llama_cpp
 import numpy as np
 import pytest
 
-import ggufspec.costs as costs_module
+import ggufspec.costs.cache as costs_module  # where cached_measure looks up measure() and machine()
 from ggufspec.costs import ContextCosts, CostModel, SharedBatch, measure
 from ggufspec.decoder import SLOT_CHUNK
 from ggufspec.lockstep import even_lanes, micro_batches, micro_shapes
@@ -253,7 +253,7 @@ def test_failed_probes_back_off_and_linear_targets_are_never_probed() -> None:
 
 
 # Measured on an AVX2-only 2-core machine here (ms): a 4-token batch costs 2.6 decodes of the benchmark target
-# and a batch of 8 at 5.4 decodes (docs/benchmarks-parallel.md, the Zen 3 of runs 1 to 4)
+# and a batch of 8 at 5.4 decodes (d617794:docs/benchmarks-parallel.md, the Zen 3 of runs 1 to 4)
 AVX2 = CostModel(verify=[0.0539, 0.0980, 0.1398, 0.1405], draft=0.0103, long_sizes=[8], long_verify=[0.291])
 
 
@@ -310,7 +310,7 @@ def test_a_slot_drafts_in_a_shared_batch_only_where_the_whole_batch_gains() -> N
 
 
 def test_one_slot_s_guess_beside_busy_slots_pays_only_for_the_others_wait_too() -> None:
-    """Costs as learned in run 26 (docs/benchmarks-parallel.md): 4 slots' plain tokens 132 ms. Counted as the batch's
+    """Costs as learned in run 26 (d617794:docs/benchmarks-parallel.md): 4 slots' plain tokens 132 ms. Counted as the batch's
     sum, a copy guess of 31 tokens kept 98% of the time paid beside 3 plain steps, and held their next tokens for
     6.6 plain ticks; counted as busy slots times their geometric mean, no guess pays beside 3 or 7 plain steps. Beside
     a prompt's chunk, where the batch takes long anyway, a long one does; alone, as before; and while every slot
@@ -371,7 +371,7 @@ def test_the_draft_model_prices_every_slot_drafting_alike_while_all_are_on_steps
 def test_following_slots_price_their_drafts_as_one_draft_batch_of_every_slot() -> None:
     """Eight slots drafting one token each run a draft batch of 8 tokens a position. Priced as one draft token,
     drafts kept 70% of the time looked worth a 16-token target batch on the AMX Xeon, and all 8 slots drafted at a
-    loss (docs/benchmarks-parallel.md, run 10); priced as the batch they run in, they do not draft."""
+    loss (d617794:docs/benchmarks-parallel.md, run 10); priced as the batch they run in, they do not draft."""
     one_token = SharedBatch(XEON_POOL, [1] * 8, lane=0, follow=True)
     assert one_token.best_k(0.7, 4) == 1 and one_token.step_seconds(1) == pytest.approx(0.39 + XEON_POOL.draft)
     pool = replace(XEON_POOL, draft_sizes=[8], draft_batches=[0.05])
@@ -392,7 +392,7 @@ def test_following_slots_price_their_drafts_as_one_draft_batch_of_every_slot() -
 def test_following_slots_price_what_each_slot_s_drafts_keep() -> None:
     """Following slots price every slot's drafts by that slot's own record, so all choose alike. Priced by its own
     record alone, a slot whose drafts were kept 94% of the time drafted beside 7 that did not, and its chain ran as a
-    pass of its own, 282 ms a tick against 201 (costs as learned there: docs/benchmarks-parallel.md, run 12)."""
+    pass of its own, 282 ms a tick against 201 (costs as learned there: d617794:docs/benchmarks-parallel.md, run 12)."""
     pool = replace(XEON_POOL, slots=8, slot_verify=[0.220, 0.313, 0.478], draft_sizes=[8], draft_batches=[0.040])
     mine, theirs = [0.94] * 4, [0.6] * 4
 
@@ -430,7 +430,7 @@ def test_following_slots_price_what_each_slot_s_drafts_keep() -> None:
 
 def test_drafting_beside_other_slots_must_clear_a_wider_margin() -> None:
     """8 slots each drafting a token kept 70% of the time, priced at 1.05 times plain steps (costs as learned on the
-    AMX Xeon, docs/benchmarks-parallel.md, run 12): past MIN_GAIN, short of SHARED_GAIN, so no slot drafts."""
+    AMX Xeon, d617794:docs/benchmarks-parallel.md, run 12): past MIN_GAIN, short of SHARED_GAIN, so no slot drafts."""
     pool = replace(XEON_POOL, slots=8, slot_verify=[0.232, 0.336, 0.478], draft_sizes=[8], draft_batches=[0.0392])
     batch = SharedBatch(pool, [1] * 8, lane=0, follow=True)
     assert MIN_GAIN < batch.expected_rate(1, 0.7) / batch.expected_rate(0, 0) < SHARED_GAIN
@@ -468,7 +468,7 @@ def test_a_pool_s_steps_are_priced_by_their_shape_as_measured_together() -> None
 def test_fewer_slots_shapes_are_priced_as_their_ticks_ran() -> None:
     """On the AMX Xeon 2 slots' tokens took 147 ms a tick, priced 112 between one sequence's and every slot's, and
     their 2 tokens each 145, priced 194: two slots drafting a token each priced below their plain steps and never
-    drafted (docs/benchmarks-parallel.md, run 16). The ticks teach each shape its own price."""
+    drafted (d617794:docs/benchmarks-parallel.md, run 16). The ticks teach each shape its own price."""
     pool = replace(XEON_POOL, slots=8, slot_verify=[0.232, 0.372, 0.50], draft_sizes=[8], draft_batches=[0.0392],
                    shapes={})
     length = AdaptiveLength(SharedBatch(pool, [1, 1], lane=0, follow=True), 4)
@@ -484,7 +484,7 @@ def test_fewer_slots_shapes_are_priced_as_their_ticks_ran() -> None:
 def test_a_tick_of_several_passes_teaches_each_shape_by_how_far_their_sum_was_off() -> None:
     """7 slots' plain tokens beside an idle slot run in two passes, (3, 1) and (4, 1): unlearned, a price that made
     that look cheaper than padding to 8 was never corrected, and the pool ran it tick after tick at 300-438 ms where
-    padded ticks took 238-347 (docs/benchmarks-parallel.md, run 19). A prompt's chunk among the passes teaches
+    padded ticks took 238-347 (d617794:docs/benchmarks-parallel.md, run 19). A prompt's chunk among the passes teaches
     nothing: micro_batches does not price llama.cpp's cuts at n_ubatch."""
     pool = replace(XEON_POOL, slots=8, slot_verify=[0.232, 0.372, 0.50], shapes={(3, 1): 0.09, (4, 1): 0.10})
     lanes = [1, 1, 1, 0, 1, 1, 1, 1]
@@ -508,7 +508,7 @@ def test_a_tick_of_several_passes_teaches_each_shape_by_how_far_their_sum_was_of
 def test_a_shared_tick_is_learned_once_however_many_slots_report_it() -> None:
     """Every slot's step in a shared batch reports the batch: learned from each of 8 slots at weight 0.2, one slow
     tick of 626 ms moved the price of 8 slots' tokens from about 290 ms to 540, and all drafted on that one price
-    for 185 ticks (docs/benchmarks-parallel.md, run 20). The batch's number (`tick`) makes it one observation."""
+    for 185 ticks (d617794:docs/benchmarks-parallel.md, run 20). The batch's number (`tick`) makes it one observation."""
     pool = replace(XEON_POOL, slots=8, slot_verify=[0.29, 0.40, 0.50])
     slots = [AutoPolicy(pool, 4, model=True) for _ in range(8)]
     for lane, auto in enumerate(slots):  # tick 5: all 8 slots' plain tokens, 626 ms
@@ -533,7 +533,7 @@ def test_a_shared_tick_is_learned_once_however_many_slots_report_it() -> None:
 def test_every_slot_s_plain_ticks_move_their_chains_and_the_draft_alike() -> None:
     """8 slots' plain tokens cost more as their contexts grow; moved alone, their price rose while their chains kept
     the start-up price, and at 8 clients and temperature 0.7 slots that began beside 7 others prefilled the draft
-    model and drafted (docs/benchmarks-parallel.md, run 24). Plain ticks move every slot's shapes and the draft alike,
+    model and drafted (d617794:docs/benchmarks-parallel.md, run 24). Plain ticks move every slot's shapes and the draft alike,
     as one sequence's plain steps move every size."""
     pool = replace(XEON_POOL, slots=8, slot_verify=[0.232, 0.372, 0.50], draft_sizes=[8], draft_batches=[0.040])
 
@@ -777,7 +777,7 @@ def test_copies_are_priced_by_their_own_record() -> None:
     copy = text + text[:20]  # the last 20 tokens repeat earlier text
     plan, draft = step(auto, proposers, copy, 3)
     assert plan == Plan("lookup", 3) and draft.tokens == text[20:23] and auto.source is auto.copy_length
-    assert auto._lookup_gain(3) > 1  # Medusa's `auto` weighs the guess against its tree on the copies' record too
+    assert auto.lookup_gain(3) > 1  # Medusa's `auto` weighs the guess against its tree on the copies' record too
     judge(auto, plan, draft, 0)
     for _ in range(11):  # copies whose guesses are not kept turn it off too (before its first probe)
         judge(auto, *step(auto, proposers, copy, 3), 0)
@@ -948,4 +948,4 @@ def test_lookup_reuses_its_array_only_for_a_context_that_continues_the_last() ->
         else:
             ctx.append(int(rng.integers(0, 5)))  # the same list, longer
         fresh = LookupProposer(n_vocab=100)
-        assert kept._find(ctx, 4) == fresh._find(ctx, 4) and kept.match == fresh.match, step
+        assert kept.find(ctx, 4) == fresh.find(ctx, 4) and kept.match == fresh.match, step

@@ -94,10 +94,10 @@ def other_vocab(tmp_path_factory, tokenizer_fields, tiny_weights) -> Path:
 
 class _Field:
     def __init__(self, name, types, value):
-        self.name, self.types, self._value = name, types, value
+        self.name, self.types, self.value = name, types, value
 
     def contents(self):
-        return self._value
+        return self.value
 
 
 def test_incompatible_pair_names_the_mismatch(tiny_target, other_vocab) -> None:

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-import ggufspec.costs as costs_module
+import ggufspec.costs.cache as costs_module  # where cached_measure looks up measure() and machine()
 from ggufspec import kv_cache, machine_cache
-from ggufspec.costs import ENTRY_FIELDS, LONG_BATCHES, check_costs, measure
+from ggufspec.costs import ENTRY_FIELDS, LONG_BATCHES, check_costs, measure, timing
 from ggufspec.decoder import DecoderOptions
 from ggufspec.engine import GenerationSettings, SpeculativeEngine
 
@@ -47,14 +47,17 @@ def test_the_cache_folder_honours_ggufspec_cache_then_xdg_cache_home_then_home(t
 
 
 def _package_imports(module: str) -> set[str]:
-    """The ggufspec modules `module` imports, at any depth of its source (inside functions too)."""
-    source = (Path(machine_cache.__file__).parent / f"{module}.py").read_text()
+    """The ggufspec modules `module` imports, at any depth of its source (inside functions too); a package's, from
+    any of its modules (its own modules left out)."""
+    path = Path(machine_cache.__file__).parent / module
+    files, top = (sorted(path.glob("*.py")), 2) if path.is_dir() else ([path.with_suffix(".py")], 1)
     found = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            found |= {node.module.split(".")[0]} if node.module else {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ggufspec."):
-            found.add(node.module.split(".")[1])
+    for source in (f.read_text() for f in files):
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ImportFrom) and node.level == top:
+                found |= {node.module.split(".")[0]} if node.module else {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ggufspec."):
+                found.add(node.module.split(".")[1])
     return found
 
 
@@ -216,7 +219,7 @@ def busy(tmp_path, monkeypatch) -> list[float]:
         return model, spread
 
     monkeypatch.setenv("GGUFSPEC_CACHE", str(tmp_path))
-    monkeypatch.setattr(costs_module, "measure_clock", BusyClock())
+    monkeypatch.setattr(timing, "measure_clock", BusyClock())
     monkeypatch.setattr(costs_module, "measure", counted)
     return spreads
 

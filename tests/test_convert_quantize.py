@@ -28,7 +28,8 @@ def f16_model(folder: Path, hidden: int) -> Path:
 
 
 def logits(path: Path, tokens: list[int]) -> np.ndarray:
-    llm = llama_cpp.Llama(str(path), logits_all=True, n_ctx=64, n_threads=2, verbose=False, type_k=0, type_v=0)
+    llm = llama_cpp.Llama(str(path), logits_all=True, n_ctx=64, n_threads=1, n_threads_batch=1, verbose=False,
+                          type_k=0, type_v=0)
     try:
         llm.eval(tokens)
         return np.array(llm.scores[: len(tokens)], dtype=np.float64)
@@ -48,7 +49,7 @@ def test_q8_0_close_to_f16_and_generates(tmp_path: Path) -> None:
     print(f"Q8_0 vs F16: max relative logit difference {err:.2e}, top-1 agreement "
           f"{np.mean(got.argmax(-1) == ref.argmax(-1)):.2f}")
     assert err < 2e-2
-    llm = llama_cpp.Llama(str(out), n_ctx=64, n_threads=2, verbose=False)
+    llm = llama_cpp.Llama(str(out), n_ctx=64, n_threads=1, n_threads_batch=1, verbose=False)
     res = llm.create_completion("def add(a, b):", max_tokens=8, temperature=0.0)
     assert res["usage"]["completion_tokens"] >= 1
 
@@ -64,7 +65,7 @@ def test_k_quants_fall_back_on_narrow_rows_and_say_so(tmp_path: Path, qtype: str
     else:
         assert rep.fallbacks and all("not a multiple of 256" in f for f in rep.fallbacks)
         assert any(f.startswith("blk.0.ffn_up.weight:") for f in rep.fallbacks)
-    llm = llama_cpp.Llama(str(out), n_ctx=64, n_threads=2, verbose=False)
+    llm = llama_cpp.Llama(str(out), n_ctx=64, n_threads=1, n_threads_batch=1, verbose=False)
     assert llm.create_completion("hello", max_tokens=4, temperature=0.0)["usage"]["completion_tokens"] >= 1
 
 

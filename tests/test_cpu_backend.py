@@ -63,7 +63,7 @@ def test_amx_is_turned_off_for_every_llama_cpp_user_in_the_process(smollm2_path)
         "import sys, llama_cpp\n"
         "from ggufspec import cpu_backend\n"
         "print(cpu_backend.prepare().in_use)\n"
-        "llm = llama_cpp.Llama(sys.argv[1], n_ctx=128, n_threads=1, verbose=False)\n"
+        "llm = llama_cpp.Llama(sys.argv[1], n_ctx=128, n_threads=1, n_threads_batch=1, verbose=False)\n"
         f"print(llm({PROMPT!r}, max_tokens=4, temperature=0)['choices'][0]['text'])\n"
     )
     r = subprocess.run([sys.executable, "-c", code, str(smollm2_path)], capture_output=True, text=True, timeout=120)

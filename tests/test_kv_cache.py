@@ -31,7 +31,7 @@ def fresh_choice(tmp_path, monkeypatch):
     path = kv_cache.cache_path()
     assert path == tmp_path / "ggufspec" / "kv_cache.json"
     yield path
-    kv_cache._chosen.pop(path, None)
+    kv_cache.forget_choice()
 
 
 def test_the_measured_choice_is_written_read_back_and_used_by_the_decoder(fresh_choice, monkeypatch,
@@ -52,12 +52,13 @@ def test_the_measured_choice_is_written_read_back_and_used_by_the_decoder(fresh_
     choice = "f16" if times["f16"] < kv_cache.F16_WINS * times["q8_0"] else "q8_0"
     assert options.cpu_v_type == options.cache_type_v == kv_cache.default_v_type() == choice
     assert (options.kv_type_v, options.needs_v_choice) == (None, False)  # what the user asked for stays apart
-    key = json.dumps([machine_cache.machine(), default_threads(), kv_cache._CELLS])
+    key = kv_cache.choice_key(default_threads())
+    assert json.loads(key)[:2] == [machine_cache.machine(), default_threads()]
     assert json.loads(fresh_choice.read_text()) == {key: choice}
 
     other = next(v for v in kv_cache.V_TYPES if v != choice)
     fresh_choice.write_text(json.dumps({key: other}))
-    kv_cache._chosen.pop(fresh_choice)  # as a new process would
+    kv_cache.forget_choice()  # as a new process would
     with LlamaCppDecoder(smollm2_path, DecoderOptions(n_ctx=256)) as d:
         assert len(measured) == 1, "a remembered choice is used, not measured again"
         assert (d.kv_type, d.kv_type_v) == ("q8_0", other) and d.options.cpu_v_type == other
@@ -69,7 +70,8 @@ def test_reading_the_options_does_no_io(fresh_choice, tmp_path, monkeypatch) -> 
     def no_io(*args):
         raise AssertionError("a property chose the V cache type")
 
-    monkeypatch.setattr(kv_cache, "_read_or_measure", no_io)
+    monkeypatch.setattr(kv_cache, "choose", no_io)
+    monkeypatch.setattr(kv_cache, "measure", no_io)
     options = DecoderOptions()
     assert options.needs_v_choice and options.cache_type == "q8_0"
     with pytest.raises(ValueError, match=r"DecoderOptions\.resolved\(\)"):
@@ -114,7 +116,7 @@ def test_a_bad_cached_choice_is_measured_again_and_written_over(fresh_choice, mo
     assert choose() == "q8_0"
     [key] = json.loads(fresh_choice.read_text())
     fresh_choice.write_text(json.dumps({key: bad}))
-    kv_cache._chosen.pop(fresh_choice)  # as a new process would
+    kv_cache.forget_choice()  # as a new process would
     monkeypatch.setattr(kv_cache, "measure", lambda open_probe: {"q8_0": 1.0, "f16": 0.5})
     capsys.readouterr()
     assert choose() == "f16"

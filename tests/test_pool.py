@@ -8,12 +8,11 @@ import threading
 import time
 from collections.abc import Callable
 
-import llama_cpp
 import numpy as np
 import pytest
 
 from conftest import FixedCosts
-import ggufspec.costs as costs_module
+import ggufspec.costs.cache as costs_module  # where cached_measure looks up measure()
 from ggufspec.costs import costs_path, measure, measure_together
 from ggufspec.decoder import DecoderOptions, LlamaCppDecoder
 from ggufspec.engine import GenerationSettings, SpeculativeEngine
@@ -217,7 +216,7 @@ def test_a_generation_begins_priced_beside_the_slots_generating_then(tiny_target
         tb = threading.Thread(target=run_b)
         tb.start()
         began = time.monotonic() + 60  # b's policy is set up before its prefill, which waits for a's next step
-        while b.engine._auto.get((True, False)) is None or b.engine._auto[True, False].peers != 1:
+        while (b_auto := b.engine.auto_policies.get((True, False))) is None or b_auto.peers != 1:
             assert time.monotonic() < began, "b did not begin beside a"
             time.sleep(0.01)
         go.set()
@@ -230,8 +229,8 @@ def test_a_generation_begins_priced_beside_the_slots_generating_then(tiny_target
             with pool.slot():
                 assert a.engine.target.peers == b.engine.target.peers == 1
         assert a.engine.target.peers == 0
-        assert a.engine._auto[True, False].peers == 0  # began alone
-        assert b.engine._auto[True, False].peers == 1
+        assert a.engine.auto_policies[True, False].peers == 0  # began alone
+        assert b.engine.auto_policies[True, False].peers == 1
         assert a.engine.target.peers == 0
 
 
@@ -264,7 +263,7 @@ def _pads_beside_a_chain(tiny_target, price) -> tuple[tuple[int, ...], int, np.n
     lanes, b's last cached position, and b's last logits."""
     lockstep = Lockstep()
     ta, tb = LlamaCppDecoder.slots(tiny_target, DecoderOptions(n_ctx=512), 2, lockstep)
-    ta._runner.price, ta._runner.pad_max = price, 3
+    ta.pad_chains(price, 3)
     for d in (ta, tb):
         d.sync(list(range(10, 18)))
     out = {}
@@ -275,7 +274,7 @@ def _pads_beside_a_chain(tiny_target, price) -> tuple[tuple[int, ...], int, np.n
         out["logits"] = tb.feed([5])
 
     _side_by_side(lockstep, lambda: ta.feed([1, 2, 3]), plain)
-    last = llama_cpp.llama_memory_seq_pos_max(tb._mem, tb.lane)
+    last = tb.kv_positions()[1]
     for d in (ta, tb):
         d.close()
     return out["lanes"], last, out["logits"]
@@ -314,7 +313,7 @@ def _steps_beside_an_idle_slot(tiny_target, price) -> tuple[tuple[int, ...], tup
     b decodes a token: the batch's lanes, b's cached positions after it, c's logits and b's next logits."""
     lockstep = Lockstep()
     ta, tb, tc = LlamaCppDecoder.slots(tiny_target, DecoderOptions(n_ctx=768), 3, lockstep)
-    ta._runner.price, ta._runner.pad_max = price, 3
+    ta.pad_chains(price, 3)
     for d in (ta, tb, tc):
         d.sync(list(range(10, 18)))
     out = {}
@@ -445,7 +444,7 @@ def test_lookup_finds_the_longest_latest_match(ngram_min: int, ngram_max: int) -
             end = _longest_match_in(pool, context, ngram_min, ngram_max)
             guess = pool[end + 1 : end + 1 + k] if end is not None else []  # cut at the answer's end
             guess = guess[: guess.index(AnswerPool.SEPARATOR)] if AnswerPool.SEPARATOR in guess else guess
-            assert lookup._find_in_answers(np.asarray(context, dtype=np.int64), k) == guess, (context, k)
+            assert lookup.find_in_answers(context, k) == guess, (context, k)
 
 
 def test_auto_continues_earlier_answers_and_keeps_the_text(smollm2_path) -> None:

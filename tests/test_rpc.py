@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import numpy as np
@@ -88,9 +89,9 @@ class SlowHandshakeRelay:
         self.port, self.delay = port, 0.0
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.endpoint = f"127.0.0.1:{self.listener.getsockname()[1]}"
-        threading.Thread(target=self._accept, daemon=True).start()
+        threading.Thread(target=self.accept_loop, daemon=True).start()
 
-    def _accept(self) -> None:
+    def accept_loop(self) -> None:
         while True:
             try:
                 client, _ = self.listener.accept()
@@ -102,11 +103,11 @@ class SlowHandshakeRelay:
                 client.close()
                 continue
             server.settimeout(None)
-            threading.Thread(target=self._pipe, args=(client, server, 0.0), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(server, client, self.delay), daemon=True).start()
+            threading.Thread(target=self.pipe, args=(client, server, 0.0), daemon=True).start()
+            threading.Thread(target=self.pipe, args=(server, client, self.delay), daemon=True).start()
 
     @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket, first_delay: float) -> None:
+    def pipe(src: socket.socket, dst: socket.socket, first_delay: float) -> None:
         try:
             while chunk := src.recv(1 << 16):
                 time.sleep(first_delay)
@@ -161,13 +162,21 @@ def test_an_isolated_decoder_gives_the_logits_and_history_of_one_here(smollm2_pa
     assert not process.alive  # its last decoder closed it
 
 
-def test_a_reply_left_behind_by_ctrl_c_still_reaches_the_mirror(smollm2_path) -> None:
+def test_a_reply_left_behind_by_ctrl_c_still_reaches_the_mirror(smollm2_path, monkeypatch) -> None:
     process = DecoderProcess(timeout=60)
     d = process.open(smollm2_path, DecoderOptions(n_ctx=256))
+    real_poll = Connection.poll
+
+    def ctrl_c(conn, timeout=0.0):  # Ctrl-C lands while the parent waits for the reply, once
+        monkeypatch.setattr(Connection, "poll", real_poll)
+        raise KeyboardInterrupt
+
     try:
         tokens = d.vocab.encode("Hello there, friend", add_special=True)
-        process._conn.send((d._handle, "feed", (tokens,), {}))  # as a call whose wait Ctrl-C interrupted
-        process._stale.append(d._handle)
+        monkeypatch.setattr(Connection, "poll", ctrl_c)
+        with pytest.raises(KeyboardInterrupt):
+            d.feed(tokens)  # sent; the child decodes it, its reply is left behind
+        assert d.history == []  # not mirrored yet
         d.rollback_to(2)  # drains that reply first
         assert d.history == tokens[:2]
     finally:

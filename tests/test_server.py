@@ -36,8 +36,8 @@ class Server:
         if not m:
             self.proc.kill()
             raise AssertionError(f"no listening line: {''.join(self.log_lines)}")
-        self._reader = threading.Thread(target=self._read_log, daemon=True)
-        self._reader.start()
+        self.reader = threading.Thread(target=self.read_log, daemon=True)
+        self.reader.start()
         self.port = int(m.group(1))
         self.url = f"http://127.0.0.1:{self.port}/v1"
         for _ in range(100):
@@ -48,7 +48,7 @@ class Server:
                 time.sleep(0.1)
         raise AssertionError("the server never answered /health")
 
-    def _read_log(self) -> None:
+    def read_log(self) -> None:
         for line in self.proc.stderr:
             self.log_lines.append(line)
 
@@ -85,7 +85,7 @@ class Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-        self._reader.join(timeout=10)
+        self.reader.join(timeout=10)
         self.proc.stdout.close()
         return self.log()
 

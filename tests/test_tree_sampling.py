@@ -133,16 +133,16 @@ class MemoDecoder:
     tick = -1  # a context of its own: no shared batch
 
     def __init__(self, decoder) -> None:
-        self.d, self.n_vocab, self.history, self._memo = decoder, decoder.n_vocab, [], {}
+        self.d, self.n_vocab, self.history, self.memo = decoder, decoder.n_vocab, [], {}
 
-    def _rows(self, key, compute):
-        if key not in self._memo:
-            self._memo[key] = compute()
-        return self._memo[key]
+    def rows(self, key, compute):
+        if key not in self.memo:
+            self.memo[key] = compute()
+        return self.memo[key]
 
     def sync(self, tokens, view=False):
         self.history = list(tokens)
-        return self._rows(tuple(tokens), lambda: self.d.sync(tokens)[-1:].copy())
+        return self.rows(tuple(tokens), lambda: self.d.sync(tokens)[-1:].copy())
 
     def feed(self, tokens, all_logits=True, view=False):
         self.history += list(tokens)
@@ -153,13 +153,13 @@ class MemoDecoder:
 
     def tree_logits(self, tokens, parents):
         key = (tuple(self.history), tuple(int(t) for t in tokens), tuple(int(p) for p in parents))
-        return self._rows(key, lambda: self._tree(tokens, parents))
+        return self.rows(key, lambda: self.tree_rows(tokens, parents))
 
-    def _tree(self, tokens, parents):
+    def tree_rows(self, tokens, parents):
         self.d.sync(self.history + [int(tokens[0])])  # the root is the context's last token
         self.d.rollback_to(len(self.history))
         logits = self.d.tree_logits([int(t) for t in tokens], [int(p) for p in parents])
-        self.d._end_tree()
+        self.d.rollback_to(len(self.history))  # drops the uncommitted tree: the history is as before it
         return logits
 
 

@@ -47,7 +47,7 @@ def test_a_terminal_shows_a_spinner_and_gets_a_clean_line_back() -> None:
 def test_a_pipe_gets_nothing() -> None:
     pipe = io.StringIO()  # isatty() is False: a pipe, a file, a test reading stderr
     with wait_for("loading model.gguf", stream=pipe, after=0) as wait:
-        assert wait._thread is None
+        assert not wait.spinning
     assert pipe.getvalue() == ""
 
 
@@ -57,22 +57,22 @@ def test_a_request_thread_gets_nothing() -> None:
 
     def request() -> None:
         with wait_for("decoding the prompt (5000 tokens)", stream=term, after=0) as wait:
-            threads.append(wait._thread)
+            threads.append(wait.spinning)
 
     t = threading.Thread(target=request)
     t.start()
     t.join()
-    assert threads == [None] and term.getvalue() == ""
+    assert threads == [False] and term.getvalue() == ""
 
 
 def test_a_wait_inside_another_shows_nothing_of_its_own() -> None:
     outer, inner = Terminal(), Terminal()
     with wait_for("measuring", stream=outer, after=0):
         with wait_for("loading", stream=inner, after=0) as wait:
-            assert wait._thread is None
+            assert not wait.spinning
     assert inner.getvalue() == ""
     with wait_for("loading", stream=inner, after=0) as wait:  # the outer one gone: free again
-        assert wait._thread is not None
+        assert wait.spinning
 
 
 def test_the_environment_turns_it_off_or_on(monkeypatch) -> None:
@@ -86,7 +86,7 @@ def test_show_false_draws_nothing() -> None:
     """As a model load does while llama.cpp's own log lines are on (--verbose)."""
     term = Terminal()
     with wait_for("loading", show=False, stream=term, after=0) as wait:
-        assert wait._thread is None
+        assert not wait.spinning
     assert term.getvalue() == ""
 
 

@@ -2,24 +2,26 @@
 
 from __future__ import annotations
 
-from ..costs import CostModel
+from ..costs import Prices
 from . import Timing
 
 PROBE_EVERY = 16  # plain steps before the first probe while speculation is off; doubled after each failed one
 PROBE_EVERY_MAX = 128
 OPTIMISTIC = 0.9  # probes are made only if drafts kept this often would beat plain decoding
 # by this factor: a probe costs a bigger batch and the draft catching up on every token since its last
-# use, so a probe that can gain only a little loses (docs/methods.md, "Where the constants come from")
+# use, so a probe that can gain only a little loses. docs/methods.md#measured-constants: PROBE_GAIN
 PROBE_GAIN = 1.2
-MIN_GAIN = 1.05  # drafting only when expected to beat plain decoding by this factor
+# Drafting only when expected to beat plain decoding by this factor: an estimate at break-even is as likely a loss,
+# since the cost model and the acceptance are estimates. docs/methods.md#measured-constants: MIN_GAIN
+MIN_GAIN = 1.05
 # ...or by this one in a batch shared with other slots (costs.SharedBatch), whose price leaves out what drafting
-# does to them: on the AMX Xeon 8 slots drafting a token each were priced at 1.05-1.06 times plain steps, ran at
-# about 1.0, and the slots that drafted fell out of step (docs/methods.md, "Where the constants come from")
+# does to them: the slots that draft fall out of step with the others, and batches run part-filled at the end.
+# docs/methods.md#measured-constants: SHARED_GAIN
 SHARED_GAIN = 1.15
 COPY_PRIOR = 0.9  # what a guess that continues a copy (lookup.LONG_MATCH) is expected to keep, before any evidence
 # A guess whose context matches earlier text for at least this many tokens is priced apart from shorter matches:
 # it is kept more often than one after a 2- or 3-token chance match, and waiting for a LONG_MATCH would spend
-# plain steps at the start of every copy (docs/methods.md, "Where the constants come from")
+# plain steps at the start of every copy. docs/methods.md#measured-constants: PHRASE_MATCH
 PHRASE_MATCH = 4
 
 
@@ -36,7 +38,7 @@ class AdaptiveLength:
     4 costs ~2.6 decodes, as on the AVX2-only machines here, the best case is a few percent).
     """
 
-    def __init__(self, costs: CostModel, k_max: int, prior: float = 0.7, memory: float = 0.95,
+    def __init__(self, costs: Prices, k_max: int, prior: float = 0.7, memory: float = 0.95,
                  free: bool = False, longer: tuple[int, ...] = ()) -> None:
         self.costs, self.k_max, self.memory, self.prior, self.free = costs, k_max, memory, prior, free
         self.longer = longer  # lengths past k_max that may be drafted too (lookup's long guesses)...
@@ -45,6 +47,12 @@ class AdaptiveLength:
         # that has held that far in copied text tends to hold on)
         self.acceptance = [prior] * (k_max + bool(longer))
         self._off_steps, self.probe_every, self._probing = 0, PROBE_EVERY, False
+
+    @property
+    def probing(self) -> bool:
+        """Whether the last choose() returned a probe: a length drafted although planned() was 0, to learn whether
+        drafting pays again; False after a choose() that returned the planned length, and before any."""
+        return self._probing
 
     def restart(self) -> AdaptiveLength:
         """Ready for the next generation: keep what was learned, acceptance halfway back to the prior."""

@@ -14,7 +14,8 @@ from .adaptive import COPY_PRIOR, MIN_GAIN, OPTIMISTIC, PHRASE_MATCH, PROBE_EVER
 from .tree_sizer import TreeSizer
 
 # The most tokens over which the draft model's catching up is expected to pay back (AutoPolicy._catch_up_pays): an
-# estimate near break-even may turn drafting off again within as many steps, and the next start catches up again
+# estimate near break-even may turn drafting off again within as many steps, and the next start catches up again.
+# docs/methods.md#measured-constants: CATCH_UP_HORIZON
 CATCH_UP_HORIZON = PROBE_EVERY_MAX
 SOURCE_NAMES = {"draft": "draft model", "lookup": "lookup", "medusa": "Medusa tree", "mtp": "MTP head"}  # decision()
 MODEL_NAMES = {"draft": "the draft model", "mtp": "the MTP head"}  # the drafting models, as decision() says them
@@ -35,8 +36,8 @@ class AutoPolicy:
                  mtp: bool = False) -> None:
         self.k_max, self.sizer = k_max, sizer
         self.context_costs = ContextCosts(costs)
-        # each kind of lookup match keeps its own record (one record for all kept lookup off on summaries where
-        # llama.cpp's ngram-mod verified nearly every copied token: docs/benchmarks-2026-11-25-zen4.md)
+        # each kind of lookup match keeps its own record: a copy's guesses are kept far more often than a chance
+        # n-gram's, and one record for all would let failed chance guesses keep lookup off through whole copies
         # chance n-gram matches, under PHRASE_MATCH tokens
         self.lookup_length = AdaptiveLength(costs, k_max, free=True)
         # matches of PHRASE_MATCH up to LONG_MATCH tokens: a phrase said again, or the first tokens of a copy
@@ -71,6 +72,13 @@ class AutoPolicy:
         return max((self.k_max, *self.copy_length.longer))
 
     @property
+    def guess_planned(self) -> bool:
+        """Whether the step just planned holds a lookup guess for the target to verify: True from a plan() that
+        chose one until the next plan() or begin(), or until a tree takes its place (the guess is then judged as one
+        left unverified)."""
+        return self._proposed is not None
+
+    @property
     def costs(self) -> CostModel:
         """The cost model measured at start-up (short context)."""
         return self.context_costs.base
@@ -80,7 +88,7 @@ class AutoPolicy:
         out = [("draft", self.model_length, self.slot_records), ("mtp", self.mtp_length, self.mtp_records)]
         return [m for m in out if m[1] is not None]
 
-    def _prices(self, record: AdaptiveLength, costs: CostModel) -> CostModel:
+    def _prices(self, record: AdaptiveLength, costs: CostModel) -> CostModel | MtpPrices:
         """`costs` as `record` reads them: the MTP head's record at its own steps' prices."""
         if record is not self.mtp_length:
             return costs
@@ -98,11 +106,11 @@ class AutoPolicy:
                 length.costs = self._prices(length, costs)
             return None
         # the draft model's choice prices every slot drafting alike (SharedBatch) while each steps next (no other
-        # slot's prompt going on): pricing each chain alone beside the others' last ones, two slots swapped turns,
-        # each evening the other's last batch into a new uneven one (docs/benchmarks-parallel.md, run 5).
+        # slot's prompt going on): pricing each chain alone beside the others' last ones, two slots would swap turns,
+        # each evening the other's last batch into a new uneven one.
         # A full chunk of a prompt is followed by its next one; a shorter chunk was its last, and a long guess rarely
-        # goes on in step, so those slots step next: priced as still there, a prompt's last chunk made guesses look
-        # as if they rode the prompt, and they ran beside 3 plain steps (docs/benchmarks-parallel.md, run 27). With
+        # goes on in step, so those slots step next: priced as still there, a prompt's last chunk would make guesses
+        # look as if they rode the prompt, and they would run beside plain steps instead. With
         # `-b` under SLOT_CHUNK a pool's chunks are shorter, and every one is priced as its prompt's last.
         # The MTP head's choice is priced so too, on its own records.
         going_on = [i != self.lane and n >= SLOT_CHUNK for i, n in enumerate(self.lanes)]
@@ -115,8 +123,8 @@ class AutoPolicy:
             planned[name] = record.planned()
         # Lookup's guesses are priced beside the others' steps as the draft model's shared choice makes them (k + 1
         # tokens each, or 1), not as their last chains: those were lookup's guesses too, which rarely continue in
-        # step, and a chain priced as evening them out ran, beside plain steps, as a micro-batch of its own; at 8
-        # slots that drafting cost a fifth more target time than plain batching (docs/benchmarks-parallel.md, run 8).
+        # step, and a chain priced as evening them out would run, beside plain steps, as a micro-batch of its own,
+        # for more target time than plain batching.
         k = max(planned.values(), default=0) if planned else 0
         lanes = [n if i == self.lane or going_on[i] else (k + 1 if n else 0) for i, n in enumerate(self.lanes)]
         for length in self._records:
@@ -128,7 +136,7 @@ class AutoPolicy:
         """Every record's acceptance halfway back to its prior; the draft model decodes the prompt only where it is
         expected to draft (often never on CPUs), priced beside the `peers` generating now, each taken to add one
         token a batch: a slot joining a busy pool on a CPU rarely drafts, and the draft's prefill (a tick that
-        every slot waits for) would be lost (docs/benchmarks-parallel.md, run 5)."""
+        every slot waits for) would be lost."""
         self.lookup, self.model, self.mtp = proposers["lookup"], proposers.get("draft"), proposers.get("mtp")
         if self.sizer is not None:
             check_tree(self.sizer, proposers)
@@ -161,7 +169,7 @@ class AutoPolicy:
             return plan
         # against a plain step lookup's own choice stands (a probe's too); against a tree, gains over a plain step:
         # lookup prices the current context, the sizer the start-up measurement
-        if plan.k and (nodes is None or len(nodes) == 1 or self._lookup_gain(plan.k) > self.sizer.gain):
+        if plan.k and (nodes is None or len(nodes) == 1 or self.lookup_gain(plan.k) > self.sizer.gain):
             return plan
         if nodes is not None and len(nodes) > 1:
             self._withdraw()  # lookup times only its own and plain steps
@@ -281,9 +289,10 @@ class AutoPolicy:
             self._unverified.append(self._proposed)
         self.source = self._proposed = None
 
-    def _lookup_gain(self, n: int) -> float:
+    def lookup_gain(self, n: int) -> float:
         """Expected tokens per second of verifying the n-token lookup guess just planned, on the record of its
-        kind, over a plain step's, both at the current context's costs."""
+        kind (`source`), over a plain step's, both at the current context's costs; no side effects. plan() verifies
+        the guess instead of a Medusa tree only where this beats the tree's gain. Needs a planned lookup guess."""
         costs = self.source.costs
         return costs.expected_rate(n, self.source.acceptance, free=True) / costs.expected_rate(0, 0)
 
@@ -307,9 +316,9 @@ class AutoPolicy:
         (charged at costs.catch_up a token: a draft model's step, an upper bound; the MTP head's share of a catch-up
         batch) would cost more than drafting can win back: the time its expected gain saves on the
         tokens left (`room`, at most CATCH_UP_HORIZON), or for a probe, the plain steps between two probes. After a
-        long prompt the draft was not prefilled for, a catch-up cost more than those steps could win back; in a
-        busy pool, three slots drafting at a gain of 1.05 first caught up on 450 tokens, a 1.2 s tick every slot
-        waited on (docs/methods.md; docs/benchmarks-parallel.md, run 12). `k`: the model's planned length."""
+        long prompt the draft was not prefilled for, a catch-up takes seconds, more than those steps can win back; in
+        a busy pool it is a tick every slot waits on (docs/methods.md#measured-constants: CATCH_UP_HORIZON). `k`: the
+        model's planned length."""
         cost = proposer.unseen(context) * m.costs.catch_up
         if not cost:
             return True

@@ -11,7 +11,7 @@ from . import NO_DRAFT, Context, Counters, Draft
 
 # A draft tree follows the draft's best guesses while the draft itself gives the whole chain at least this chance,
 # and spends the nodes left on runner-up guesses (where a batch of 4 costs about as much as one of 3, stopping short
-# without them saves draft steps but not target time): docs/methods.md, "Where the constants come from"
+# without them saves draft steps but not target time). docs/methods.md#measured-constants: REACH_MIN
 REACH_MIN = 0.3
 
 
@@ -100,8 +100,8 @@ class DraftModelProposer:
             chain.append(int(z.argmax()) if params.greedy else sample(z, rng))
             dists.append(z)
             # the draft's top probability: the chance its best guess is kept when greedy; when sampling, a calibrated
-            # estimate of its draw's acceptance (the drawn token's own probability stops chains too early:
-            # docs/methods.md)
+            # estimate of its draw's acceptance (the drawn token's own probability is lower, and stops chains too
+            # early: docs/methods.md#measured-constants)
             top = float(z.max())
             reach.append(reach[-1] * top)
             if len(chain) == k or reach[-1] < self.reach_min or top < self.p_min:

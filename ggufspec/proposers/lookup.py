@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 import threading
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -136,6 +137,12 @@ class LookupProposer:
             return ctx[start + np.arange(k) % period].tolist()
         return self._find_in_answers(ctx, k) if self.answers is not None else []
 
+    def find_in_answers(self, context: Sequence[int], k: int) -> list[int]:
+        """Up to k tokens continuing the longest (then latest) match of the context's tail in earlier answers
+        (`answers`, which must be set), as find() guesses where the text itself holds no match: never past the end of
+        the answer matched; sets `match`."""
+        return self._find_in_answers(np.asarray(context, dtype=np.int64), k)
+
     def _find_in_answers(self, ctx: np.ndarray, k: int) -> list[int]:
         """The continuation, in earlier answers, of the longest (then latest) match of the context's tail."""
         n_max = min(self.ngram_max, len(ctx))
@@ -193,10 +200,8 @@ def _longest_latest(source: np.ndarray, hits: np.ndarray, ctx: np.ndarray, cap: 
     continuation starts, and how far back it matches.
 
     Counted without argmin or argmax: like np.searchsorted, and comparisons and nonzero over more than a few hundred
-    elements, they release the GIL, and in a pool each release hands the interpreter to another slot's thread. Beside
-    one busy thread such calls took 2 to 4 times their CPU time alone; in the tiny model's 8-slot pool, lookup in
-    earlier answers took 35 us a step where alone it took 4 (docs/benchmarks-parallel.md, "auto's step in a busy
-    pool")."""
+    elements, they release the GIL, and in a pool each release hands the interpreter to another slot's thread, so
+    beside busy threads such a call takes several times its CPU time alone (docs/engine-overhead.md)."""
     back = np.arange(cap)
     before = hits[:, None] - back
     same = (before >= 0) & (source[np.maximum(before, 0)] == ctx[np.maximum(len(ctx) - 1 - back, 0)])
