@@ -949,3 +949,18 @@ def test_lookup_reuses_its_array_only_for_a_context_that_continues_the_last() ->
             ctx.append(int(rng.integers(0, 5)))  # the same list, longer
         fresh = LookupProposer(n_vocab=100)
         assert kept.find(ctx, 4) == fresh.find(ctx, 4) and kept.match == fresh.match, step
+
+
+def test_the_mtp_heads_record_stops_drafting_within_three_missed_guesses() -> None:
+    """A head's guesses are kept 0% on one prompt and 100% on the next: where it starts a prompt at its prior and
+    misses, its record turns drafting off after three judged guesses (at the other records' memory, after eight)."""
+    costs = CostModel(verify=[0.040, 0.044, 0.050, 0.056, 0.062], draft=0.010, mtp=0.010, mtp_catch_up=0.001)
+    policy = AutoPolicy(costs, 4, model=False, mtp=True)
+    head, other = policy.mtp_length, AdaptiveLength(head_prices := policy.mtp_length.costs, 4)
+    assert head.costs is head_prices and head.planned() > 0 and other.planned() > 0  # the prior pays
+    for _ in range(3):
+        k = head.planned()
+        head.learn(k, 0)
+        other.learn(other.planned(), 0)
+    assert head.planned() == 0
+    assert other.planned() > 0  # the default memory: still drafting at a loss

@@ -17,6 +17,7 @@ from .tree_sizer import TreeSizer
 # estimate near break-even may turn drafting off again within as many steps, and the next start catches up again.
 # docs/methods.md#measured-constants: CATCH_UP_HORIZON
 CATCH_UP_HORIZON = PROBE_EVERY_MAX
+MTP_MEMORY = 0.8  # the MTP head's record: each judged guess moves it 20% of the way (other records: 5%)
 SOURCE_NAMES = {"draft": "draft model", "lookup": "lookup", "medusa": "Medusa tree", "mtp": "MTP head"}  # decision()
 MODEL_NAMES = {"draft": "the draft model", "mtp": "the MTP head"}  # the drafting models, as decision() says them
 
@@ -45,7 +46,10 @@ class AutoPolicy:
         # the answer copies earlier text (LONG_MATCH tokens or more): the only kind whose guesses may run past k_max
         self.copy_length = AdaptiveLength(costs, k_max, prior=COPY_PRIOR, free=True, longer=costs.k_long)
         self.model_length = AdaptiveLength(costs, k_max) if model else None
-        self.mtp_length = AdaptiveLength(MtpPrices(costs), k_max) if mtp else None
+        # an MTP head's guesses are kept far more often on some texts than on others (0% to 100% from one prompt to the
+        # next), so its record follows a generation within a few guesses: at the default memory the head drafted on
+        # for several steps at a loss at the start of each prompt where it guesses badly. docs/methods.md#measured-constants: MTP_MEMORY
+        self.mtp_length = AdaptiveLength(MtpPrices(costs), k_max, memory=MTP_MEMORY) if mtp else None
         self.source: AdaptiveLength | None = None  # the record whose choice the target is judging
         self._unverified: list[tuple[AdaptiveLength, int, list[int]]] = []  # lookup guesses not verified: see plan
         self._proposed: tuple[AdaptiveLength, int, list[int]] | None = None  # the lookup guess just planned

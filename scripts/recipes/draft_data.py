@@ -202,7 +202,7 @@ class Generator:
         if hidden:  # final-norm hidden states from the same decode: Medusa's training data, at no extra pass
             cp.embeddings, cp.pooling_type = True, llama_cpp.LLAMA_POOLING_TYPE_NONE
         self.hidden = hidden
-        self.ctx = llama_cpp.llama_init_from_model(self.dec._model, cp)
+        self.ctx = llama_cpp.llama_init_from_model(self.dec.model.handle, cp)
         self.mem, self.vocab = llama_cpp.llama_get_memory(self.ctx), self.dec.vocab
         self.n_seq, self.seq_len, self.n_batch = n_seq, seq_len, n_batch
         self.batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
