@@ -48,7 +48,8 @@ class AutoPolicy:
         self.model_length = AdaptiveLength(costs, k_max) if model else None
         # an MTP head's guesses are kept far more often on some texts than on others (0% to 100% from one prompt to the
         # next), so its record follows a generation within a few guesses: at the default memory the head drafted on
-        # for several steps at a loss at the start of each prompt where it guesses badly. docs/methods.md#measured-constants: MTP_MEMORY
+        # for several steps at a loss at the start of each prompt where it guessed badly.
+        # docs/methods.md#measured-constants: MTP_MEMORY
         self.mtp_length = AdaptiveLength(MtpPrices(costs), k_max, memory=MTP_MEMORY) if mtp else None
         self.source: AdaptiveLength | None = None  # the record whose choice the target is judging
         self._unverified: list[tuple[AdaptiveLength, int, list[int]]] = []  # lookup guesses not verified: see plan

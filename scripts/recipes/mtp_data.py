@@ -65,7 +65,8 @@ def text_stats(weights: dict[str, np.ndarray], seqs: list[tuple[int, np.ndarray]
                 same += int(seen[key] == toks[i])
             seen[key] = toks[i]
         n += len(gen) - 1
-    return (f"bigram {bigram / max(n, 1):.0%} of {n} generated tokens; repeats: a seen 3-gram before {rep / max(n, 1):.0%}"
+    return (f"bigram {bigram / max(n, 1):.0%} of {n} generated tokens; "
+            f"repeats: a seen 3-gram before {rep / max(n, 1):.0%}"
             f", with the same next token {same / max(n, 1):.0%}")
 
 
