@@ -14,7 +14,7 @@ how much of B's text the last token alone decides (`bigram`) and how much prompt
 Prompts are draft_data.py's (made here, never from the benchmark sets); generation is its continuous-batched greedy
 decoding with the final-norm hidden states of the same decode.
 
-    nice -n 19 python scripts/recipes/mtp_data.py OUT_DIR --trunk 0.35 --minutes 8 [--threads 2]
+    nice -n 19 python scripts/recipes/mtp_data.py OUT_DIR --trunk 0.2 --minutes 4 [--threads 2]
 Writes OUT_DIR/mtp-base.f32.gguf (B, without an MTP block) and OUT_DIR/mtp-data.npz.
 """
 
@@ -74,7 +74,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out_dir", type=Path)
     ap.add_argument("--tokenizer", type=Path, default=REPO / ".cache" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf")
-    ap.add_argument("--trunk", type=float, default=0.35)
+    ap.add_argument("--trunk", type=float, default=0.2)
     ap.add_argument("--minutes", type=float, default=8.0)
     ap.add_argument("--max-new", type=int, default=96)
     ap.add_argument("--n-seq", type=int, default=16)

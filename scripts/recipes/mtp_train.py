@@ -13,7 +13,7 @@ Loss: cross-entropy of B's greedy pick at p + 1 over the whole vocabulary, plus 
 row at p (so that a second guess, which llama.cpp and ggufspec draft from the block's own row, reads a row like the
 ones it was trained on), and the same one step further (the chain: x_{p+1} with the block's own row).
 
-    nice -n 19 python scripts/recipes/mtp_train.py OUT_DIR [--minutes 10] [--factor 4]
+    nice -n 19 python scripts/recipes/mtp_train.py OUT_DIR --minutes 13 --batch 96 [--factor 4]
 Reads OUT_DIR/mtp-data.npz; writes OUT_DIR/mtp-base-mtp.f32.gguf (B with its block) and OUT_DIR/qwen35-mtp-x4.Q8_0.gguf.
 """
 
