@@ -23,8 +23,9 @@ from gguf import GGMLQuantizationType
 from . import kv_cache, llama_log, rpc
 from .errors import ContextLengthError, GGUFSpecError
 from .gguf_check import read_header
+from .history import common_prefix
 from .llama_batch import Batch
-from .lockstep import Lockstep, Price, Submission, even_lanes
+from .lockstep import Lockstep, LockstepSlot, Price, Submission, even_lanes
 from .machine_cache import notice
 from .memory import check_memory
 from .model import LlamaModel
@@ -252,7 +253,7 @@ def default_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
 
 
-class LlamaCppDecoder:
+class LlamaCppDecoder(LockstepSlot):
     """One GGUF model and one llama.cpp context, driven through the low-level API."""
 
     def __init__(self, path: str | os.PathLike, options: DecoderOptions | None = None) -> None:
@@ -425,16 +426,6 @@ class LlamaCppDecoder:
     def rollbacks(self) -> Rollbacks | None:
         """How this decoder's rollbacks went on recurrent memory (counts, only growing); None on attention memory."""
         return self._rewind.counts if self._rewind is not None else None
-
-    @property
-    def lane(self) -> int:
-        """This decoder's sequence id in its context (a slot's: its index in `lanes`)."""
-        return self._seq
-
-    @property
-    def peers(self) -> int:
-        """Other slots generating in this decoder's shared context now (0 on a context of its own)."""
-        return self._lockstep.others() if self._lockstep is not None else 0
 
     @property
     def shared(self) -> bool:
@@ -1028,17 +1019,6 @@ def prefill(d: Decoder, context: list[int]) -> None:
         d.hold(anchor=True)
     else:
         d.rollback_to(0)
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix, compared in C (histories run to thousands of tokens)."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    head = max(0, n - 32)  # they mostly part near the end (a draft catching up on a pass): no arrays then
-    if a[:head] == b[:head]:
-        return next(i for i in range(head, n) if a[i] != b[i])
-    return int(np.flatnonzero(np.asarray(a[:head]) != np.asarray(b[:head]))[0])
 
 
 @dataclass

@@ -25,7 +25,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from .decoder import DecoderOptions, LlamaCppDecoder, common_prefix
+from .decoder import DecoderOptions, LlamaCppDecoder
+from .history import common_prefix
 from .errors import GGUFSpecError, RPCError
 from .ggml_api import ABORT_CALLBACK, ggml
 from .llama_log import without_build_paths

@@ -53,6 +53,24 @@ class Submission:
     tick: int = -1  # the batch's number (Lockstep.n_ticks as it ran): every member's the same, so it is learned once
 
 
+class LockstepSlot:
+    """A sequence of a context that several slots may share through a Lockstep (the target's decoder, the MTP head):
+    `_seq`, its sequence id, and `_lockstep`, None on a context of its own, are set by the subclass."""
+
+    _seq: int
+    _lockstep: Lockstep | None
+
+    @property
+    def lane(self) -> int:
+        """This sequence's id in its context (a slot's: its index in `lanes`)."""
+        return self._seq
+
+    @property
+    def peers(self) -> int:
+        """Other slots generating in this shared context now (0 on a context of its own)."""
+        return self._lockstep.others() if self._lockstep is not None else 0
+
+
 class Runner(Protocol):
     """A shared context: runs the submissions of one tick as one batch (under Lockstep.lock). A `leads` runner's
     batches run before the others' (a draft model's: see Lockstep)."""

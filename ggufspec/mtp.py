@@ -33,7 +33,8 @@ import llama_cpp
 import numpy as np
 
 from .errors import ContextLengthError, GGUFSpecError
-from .lockstep import Lockstep, Submission
+from .history import common_prefix
+from .lockstep import Lockstep, LockstepSlot, Submission
 
 if TYPE_CHECKING:
     from .decoder import LlamaCppDecoder
@@ -266,7 +267,7 @@ class _Shared:
             self.ctx = None
 
 
-class MtpDecoder:
+class MtpDecoder(LockstepSlot):
     """A target's MTP head as a Decoder (what the draft model's proposer drafts from: proposers.mtp). Its history is
     the tokens its cache holds, at positions 0.., each read with the target's hidden row at the position before it
     (`rows`, the target's HiddenRows); a guess past what the target has decoded is read with the head's own row of the
@@ -313,14 +314,6 @@ class MtpDecoder:
         ctx = _mtp_context(first, first.n_ctx * n + n * chunk, n * chunk, n, n == 1)
         runner = _Shared(ctx, first.hidden_rows.width, first.n_vocab)
         return [cls(t, ctx, None, i, lockstep, runner) for i, t in enumerate(targets)]
-
-    @property
-    def lane(self) -> int:
-        return self._seq
-
-    @property
-    def peers(self) -> int:
-        return self._lockstep.others() if self._lockstep is not None else 0
 
     @property
     def llama_context(self):
@@ -399,8 +392,6 @@ class MtpDecoder:
 
     def sync(self, tokens: Sequence[int], view: bool = False) -> np.ndarray:
         """Make the history `tokens`, keeping the common prefix made with the target's rows; logits after the last."""
-        from .decoder import common_prefix  # (decoder imports this module)
-
         tokens = list(tokens)
         if not tokens:
             raise ValueError("sync needs at least one token")
@@ -410,8 +401,6 @@ class MtpDecoder:
 
     def unseen(self, tokens: Sequence[int]) -> int:
         """Tokens of `tokens` a sync would decode."""
-        from .decoder import common_prefix
-
         return len(tokens) - min(common_prefix(self.history, list(tokens)), self._exact)
 
     def rollback_to(self, n: int) -> None:

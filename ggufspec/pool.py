@@ -16,7 +16,8 @@ from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from .costs import LONG_BATCHES, CostModel, cached_measure, measure_together
-from .decoder import DecoderOptions, LlamaCppDecoder, common_prefix
+from .decoder import DecoderOptions, LlamaCppDecoder
+from .history import common_prefix
 from .engine import GenerationResponse, GenerationSettings, Prompt, SpeculativeEngine, with_mtp, with_snapshots
 from .errors import GGUFSpecError
 from .lockstep import Lockstep

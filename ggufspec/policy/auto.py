@@ -5,7 +5,8 @@ it to commit the most tokens a second."""
 from __future__ import annotations
 
 from ..costs import ContextCosts, CostModel, MtpPrices, SharedBatch
-from ..decoder import SLOT_CHUNK, common_prefix
+from ..decoder import SLOT_CHUNK
+from ..history import common_prefix
 from ..proposers import Context, Draft, Proposer
 from ..proposers.lookup import LONG_MATCH
 from ..verifier import Verdict

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..decoder import Decoder, common_prefix, prefill
+from ..decoder import Decoder, prefill
+from ..history import common_prefix
 from ..sampling import SamplingParams, probabilities, sample, softmax, suppress
 from ..trees import ordered_tree
 from . import NO_DRAFT, Context, Counters, Draft
