@@ -42,8 +42,9 @@ class CpuBackend:
         return tuple(n for n in self.offered if n not in self.dropped)
 
 
-def _extra_bufts():
-    """The CPU device's NULL-terminated array of extra buffer types (llama.cpp reads it at every model load)."""
+def extra_buffer_types():
+    """(the ggml library, the CPU device's NULL-terminated array of extra buffer types), which llama.cpp reads at
+    every model load; the array is None where this build does not let it be reached."""
     g = ggml()
     dev = g.ggml_backend_dev_by_type(DEV_CPU)
     fn = proc(g.ggml_backend_dev_backend_reg(dev) if dev else None, "ggml_backend_dev_get_extra_bufts",
@@ -63,7 +64,7 @@ def _names(g, arr) -> list[str]:
 def prepare() -> CpuBackend:
     """Turn off known-broken CPU buffer types for this process (once), or refuse when one cannot be turned off."""
     llama_cpp.llama_backend_init()
-    g, arr = _extra_bufts()
+    g, arr = extra_buffer_types()
     if arr is None:
         if "AMX_INT8 = 1" in llama_cpp.llama_print_system_info().decode(errors="replace"):
             raise GGUFSpecError(f"this llama.cpp build uses AMX kernels that crash, and ggufspec cannot turn them off "

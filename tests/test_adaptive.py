@@ -66,20 +66,17 @@ def test_lookup_continues_the_latest_longest_match() -> None:
     assert draft.tokens == [8, 5] and draft.tree is None and draft.q is None  # point guesses: judged as one-hot q
 
 
-def test_lookup_searches_a_context_once_for_the_policy_and_the_proposal(monkeypatch) -> None:
+def test_lookup_searches_a_context_once_for_the_policy_and_the_proposal() -> None:
     """`auto` finds lookup's guess to plan with, then the proposal asks again for a prefix of it: one search."""
     d = LookupProposer(n_vocab=100)
-    searches = []
-    find = LookupProposer._find
-    monkeypatch.setattr(LookupProposer, "_find", lambda self, c, k: searches.append(k) or find(self, c, k))
     text = [1, 2, 3, 4, 5, 9, 1, 2, 3]
-    assert d.find(text, 4) == [4, 5, 9, 1] and d.match == 3
+    assert d.find(text, 4) == [4, 5, 9, 1] and d.match == 3 and d.searches == 1
     d.match = 0
-    assert d.propose(Context(text), 2).tokens == [4, 5] and d.match == 3 and searches == [4]
-    assert d.find(text, 5) == [4, 5, 9, 1, 2] and searches == [4, 5]  # a longer guess: searched again
+    assert d.propose(Context(text), 2).tokens == [4, 5] and d.match == 3 and d.searches == 1
+    assert d.find(text, 5) == [4, 5, 9, 1, 2] and d.searches == 2  # a longer guess: searched again
     text.append(4)  # the same list, grown: searched again
-    assert d.find(text, 2) == [5, 9] and searches == [4, 5, 2]
-    assert d.find(list(text), 2) == [5, 9] and searches == [4, 5, 2, 2]  # an equal list, not the same one
+    assert d.find(text, 2) == [5, 9] and d.searches == 3
+    assert d.find(list(text), 2) == [5, 9] and d.searches == 4  # an equal list, not the same one
 
 
 def test_lookup_prefers_the_copy_to_a_later_chance_match() -> None:

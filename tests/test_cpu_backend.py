@@ -95,7 +95,7 @@ def test_doctor_without_a_model_and_with_a_bad_one(tmp_path) -> None:
 def test_an_amx_build_that_cannot_be_made_safe_is_refused_with_the_rebuild(monkeypatch) -> None:
     """Where the CPU device's layouts cannot be reached (another llama.cpp build), an AMX build is refused before
     any model loads, naming the cause and the CMAKE_ARGS to rebuild with."""
-    monkeypatch.setattr(cpu_backend, "_extra_bufts", lambda: (None, None))
+    monkeypatch.setattr(cpu_backend, "extra_buffer_types", lambda: (None, None))
     monkeypatch.setattr(cpu_backend.llama_cpp, "llama_print_system_info", lambda: b"CPU : AVX512 = 1 | AMX_INT8 = 1 |")
     with pytest.raises(GGUFSpecError, match="AMX.*CMAKE_ARGS=.*-DGGML_NATIVE=OFF"):
         cpu_backend.prepare.__wrapped__()

@@ -328,33 +328,30 @@ def test_auto_with_heads_verifies_every_guess_lookup_chose_unless_a_tree_runs(sm
     """Against a plain step, lookup's own choice stands, its probes too (they expect less than a plain step, and were
     dropped unverified and unjudged when weighed against the plain step's rate); only a tree that pays more takes
     a guess's place."""
-    chosen, probes, verified, withdrawn = [0], [0], [0], [0]
-    chain, observe, withdraw_ = AutoPolicy._chain, AutoPolicy.observe, AutoPolicy._withdraw
+    planned, probes, verified, dropped = [0], [0], [0], []
+    plan_, observe = AutoPolicy.plan, AutoPolicy.observe
 
-    def planned(self, *a):
-        plan = chain(self, *a)
-        chosen[0] += plan.source == "lookup"
-        probes[0] += plan.source == "lookup" and self.source.probing
-        return plan
+    def plan(self, *a):
+        got = plan_(self, *a)
+        planned[0] += got.source == "lookup"
+        probes[0] += got.source == "lookup" and self.source.probing
+        if self.guess_planned != (got.source == "lookup"):  # a guess held that is neither verified nor withdrawn
+            dropped.append(got)
+        return got
 
     def observed(self, plan, *a):
         verified[0] += plan.source == "lookup"
         observe(self, plan, *a)
 
-    def withdraw(self):
-        withdrawn[0] += self.guess_planned  # a guess that loses to a tree
-        withdraw_(self)
-
-    monkeypatch.setattr(AutoPolicy, "_chain", planned)
+    monkeypatch.setattr(AutoPolicy, "plan", plan)
     monkeypatch.setattr(AutoPolicy, "observe", observed)
-    monkeypatch.setattr(AutoPolicy, "_withdraw", withdraw)
     # batches where trees of these heads seldom pay and a lookup guess kept 90% of the time would: chance n-gram
     # guesses fail, their record turns lookup off for them, and it probes
     costs = FixedCosts([0.02, 0.035, 0.045, 0.055, 0.065], 0.0, [16, 32, 64], [0.1, 0.2, 0.4])
     with _engine(smollm2_path, demo_heads, costs) as engine:
         for prompt in PROMPTS[:4]:
             engine.generate(prompt, GenerationSettings(max_tokens=64))
-    assert probes[0] >= 1 and verified[0] + withdrawn[0] == chosen[0], (probes, chosen, verified, withdrawn)
+    assert probes[0] >= 1 and verified[0] == planned[0] and not dropped, (probes, planned, verified, dropped)
 
 
 @pytest.mark.slow

@@ -78,6 +78,7 @@ class LookupProposer:
         self.n_vocab, self.ngram_max, self.ngram_min = n_vocab, ngram_max, ngram_min
         self.answers = answers
         self.match = 0  # how many tokens before the guess the last find() matched (up to LONG_MATCH)
+        self.searches = 0  # contexts searched: find() answers a repeated question from its last search
         self.counters = Counters()
         # the last find: (context, its length, k, guess, match)
         self._last: tuple[list[int], int, int, list[int], int] | None = None
@@ -97,6 +98,7 @@ class LookupProposer:
         if last is not None and last[0] is context and last[1] == len(context) and k <= last[2]:
             self.match = last[4]
             return last[3][:k]
+        self.searches += 1
         guess = self._find(context, k)
         self._last = (context, len(context), k, guess, self.match)
         return guess
