@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from pathlib import Path
 from types import MappingProxyType
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import closing
-from dataclasses import dataclass, field, replace
-from typing import Literal
+from dataclasses import replace
 
 import numpy as np
 
-from .chat import Message, Template, chat_tokens, prestart
+from .chat import Template, chat_tokens, prestart
 from .costs import CostModel, cached_measure
 from .decoder import DecoderOptions, LlamaCppDecoder
 from .errors import ContextLengthError, GGUFSpecError, ModelFileError
@@ -26,81 +24,22 @@ from .medusa.candidates import special_ids
 from .medusa.heads import ARCH as MEDUSA_ARCH, Heads, heads_memory, medusa_decoder_options
 from .mtp import MtpDecoder, mtp_layers, unavailable as mtp_unavailable
 from .loop import generate_steps
-from .methods import METHODS, Method, get_method
+from .methods import Method, get_method
 from .policy import Policy, TreeSizer
 from .policy.adaptive import AdaptiveLength
 from .policy.auto import AutoPolicy
 from .proposers import PROPOSERS, AnswerPool, Proposer, Setup
 from .recurrent import SNAPSHOTS_MAX
 from .pairing import check_pair
-from .sampling import SamplingParams
 from .stats import Stats
 from .textstream import TextStream
 from .trees import Tree, build_tree, load_tree
-from .verifier import Verdict, Verifier
-from .waiting import Wait
+from .verifier import Verifier
+from .generation import GenerationResponse, GenerationResult, GenerationSettings, Prompt, StopReason
+from .meter import Meter, committed
 
-StopReason = Literal["stop", "max_tokens", "length", "interrupted"]
 MEDUSA_DENSE_SIZES = 3  # Medusa's cost model: batches of 1..4 tokens measured, then 16, 32, 64 (interpolated between)
 DRAFT_TREE_SEQUENCES = 8  # a target paired with a draft holds `auto`'s greedy draft trees of up to 7 leaves
-
-
-@dataclass
-class GenerationSettings:
-    """What to generate and how; `method` None picks auto when a draft, Medusa heads or an MTP head are loaded."""
-
-    max_tokens: int = 256
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    method: str | None = None  # a name in methods.METHODS
-    draft_max: int = 4
-    draft_p_min: float = 0.0
-    seed: int | None = None  # None or negative: a random seed (llama-server's -1)
-    stop: tuple[str, ...] = ()
-    stop_tokens: tuple[int, ...] = ()
-    truncate_prompt: bool = False
-    context_shift: bool = False  # when the context is full, drop older tokens instead of stopping
-    medusa_tree: str | None = None  # method medusa: a tree name or JSON choices file (default: the heads' own, else mc_sim_7b_63)
-    typical: bool = False  # method medusa at temperature > 0: typical acceptance, faster but NOT exact
-    ignore_eos: bool = False  # llama-server's: end-of-generation tokens are never picked; runs to max_tokens
-
-    def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.draft_max < 1:
-            raise ValueError(f"draft_max must be >= 1, got {self.draft_max}")
-        if not 0 <= self.draft_p_min <= 1:
-            raise ValueError(f"draft_p_min must be in [0, 1], got {self.draft_p_min}")
-        if self.seed is not None and self.seed < 0:
-            self.seed = None
-        if self.method is not None and self.method not in METHODS:
-            raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    tokens: list[int]
-    stop_reason: StopReason
-    stats: Stats
-
-
-Prompt = str | list[Message] | list[int]  # plain text, chat messages (rendered with the GGUF's template), or token ids
-
-
-@dataclass
-class GenerationResponse:
-    """What `stream` yields: one committed token (the last response: none, with the finish reason and result).
-
-    `text` is the text that became safe to show with this token (UTF-8 complete, no stop string), possibly
-    empty; `from_draft` says the token was proposed by a draft (model, lookup or Medusa) and kept by the target.
-    """
-
-    text: str
-    token: int | None
-    from_draft: bool
-    stats: Stats
-    finish_reason: StopReason | None = None
-    result: GenerationResult | None = None
 
 
 class SpeculativeEngine:
@@ -321,7 +260,7 @@ class SpeculativeEngine:
             raise ContextLengthError(f"{e} (or allow --truncate-prompt)") from None
         tokens, limit = self._fit(tokens, s, draft)
         verifier, proposers, policy = self._prepare(method, sources, s, draft, mtp)  # before the prefill: auto_policy
-        meter = _Meter(self.target, (draft, mtp), Stats(prompt_tokens=len(tokens), method=method.name), policy)
+        meter = Meter(self.target, (draft, mtp), Stats(prompt_tokens=len(tokens), method=method.name), policy)
         out: list[int] = []
         text = TextStream(s.stop)
         reason: StopReason = "interrupted"
@@ -331,8 +270,8 @@ class SpeculativeEngine:
             stop_ids = set(s.stop_tokens)
             is_stop = lambda tok: self.target.vocab.is_eog(tok) or tok in stop_ids  # noqa: E731
             steps = generate_steps(tokens, verifier, proposers, policy, limit, meter.prefilled)
-            with closing(_committed(steps, meter.stats, is_stop)) as committed:
-                for tok, from_draft in committed:
+            with closing(committed(steps, meter.stats, is_stop)) as step_tokens:
+                for tok, from_draft in step_tokens:
                     if tok is None:
                         reason = "stop"
                         break
@@ -489,55 +428,3 @@ def open_mtp(target: LlamaCppDecoder) -> MtpDecoder | None:
     except GGUFSpecError as e:
         notice(f"{e}: auto drafts without an MTP head")
         return None
-
-
-def _committed(steps: Iterator[Verdict], stats: Stats, is_stop: Callable[[int], bool]) -> Iterator[tuple[int | None, bool]]:
-    """Each step's tokens, and whether a draft proposed it (steps counted in `stats`); None at a stop token."""
-    try:
-        for step in steps:
-            stats.record(step.drafted, len(step.tokens) - 1)
-            for i, tok in enumerate(step.tokens):
-                if is_stop(tok):
-                    yield None, False
-                    return
-                yield tok, i < len(step.tokens) - 1
-    finally:
-        steps.close()
-
-
-class _Meter:
-    """A generation's clocks: wall time around the prefill and the steps, and both models' decode time; a spinner
-    on a terminal while a long prompt is decoded (waiting); the policy's decision, in the stats at the end."""
-
-    def __init__(self, target: LlamaCppDecoder, drafters: tuple, stats: Stats, policy: Policy | None = None) -> None:
-        self.target, self.drafters, self.stats, self.policy = target, drafters, stats, policy
-        self.t0, self.decoded0 = time.perf_counter(), target.n_decoded_tokens
-        self.target0 = self.draft0 = 0.0
-        process = getattr(target, "process", None)  # isolated.DecoderProcess: a target on RPC servers
-        stats.rpc_round_trip_ms = process.round_trip * 1e3 if process is not None else 0.0
-        self.wait = Wait(f"decoding the prompt, {stats.prompt_tokens} tokens").start()
-
-    def prefilled(self) -> None:
-        self.wait.stop()
-        st = self.stats
-        st.prefill_seconds = time.perf_counter() - self.t0
-        st.prefill_tokens = self.target.n_decoded_tokens - self.decoded0
-        st.cached_tokens = max(0, st.prompt_tokens - 1 - st.prefill_tokens)
-        self.target0, self.draft0 = _busy(self.target), sum(map(_busy, self.drafters))
-
-    def finish(self, generated: int) -> Stats:
-        self.wait.stop()
-        st = self.stats
-        st.generated_tokens = generated
-        decision = getattr(self.policy, "decision", None)  # auto's: what it drafted from, or why nothing
-        st.decision = decision() if decision is not None else ""
-        if st.prefill_seconds:
-            st.generation_seconds = time.perf_counter() - self.t0 - st.prefill_seconds
-            st.target_seconds = _busy(self.target) - self.target0
-            st.draft_seconds = sum(map(_busy, self.drafters)) - self.draft0
-        return st
-
-
-def _busy(d: LlamaCppDecoder | MtpDecoder | None) -> float:
-    """A decoder's seconds in llama.cpp: its decodes, and its checkpoints on recurrent memory."""
-    return d.decode_seconds + d.hold_seconds if d is not None else 0.0
