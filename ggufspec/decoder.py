@@ -89,7 +89,7 @@ class Decoder(Protocol):
 
 
 # KV cache types llama.cpp accepts (its --cache-type-k/-v); all but the unquantized need flash attention.
-from .kv_types import KV_TYPES, UNQUANTIZED_KV  # noqa: E402  (apart, for the command line)
+from .kv_types import KV_TYPES, UNQUANTIZED_KV, kv_label  # noqa: E402  (apart, for the command line)
 # On CPU a prefill runs about as fast in 64-token micro-batches as in 512-token ones, and their activations take
 # less memory (docs/memory.md). docs/methods.md#measured-constants: CPU_UBATCH
 CPU_UBATCH = 64
@@ -239,11 +239,6 @@ def gpu_offload() -> bool:
     """Whether this llama.cpp build has a GPU backend (CUDA, Metal, Vulkan, ...). Not llama_supports_gpu_offload,
     which says yes for an RPC backend alone."""
     return bool(rpc.local_gpus())
-
-
-def kv_label(k: str, v: str) -> str:
-    """A K/V cache pair as users read it: "q8_0", or "q8_0/f16" where the two differ."""
-    return k if k == v else f"{k}/{v}"
 
 
 def default_threads() -> int:
