@@ -14,7 +14,7 @@ from typing import Protocol
 
 import numpy as np
 
-from .context import Context, opened
+from .llama_context import Context, opened
 from .lockstep import Lockstep, Submission
 from .shared_context import SharedContext
 

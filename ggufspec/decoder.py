@@ -4,8 +4,8 @@ a `LlamaModel` (model.py: weights, vocabulary, metadata).
 A decoder holds a token history whose KV entries live in the context. Feeding tokens appends
 them; rolling back removes KV entries. Every position is decoded once unless rolled back.
 
-LlamaCppDecoder is put together from: the llama.cpp context (context.py: opened from DecoderOptions, a batch decoded,
-rows read, KV sequences edited), the way its decodes reach it (access.py: a context of its own, or a slot's
+LlamaCppDecoder is put together from: the llama.cpp context (llama_context.py: opened from DecoderOptions, a batch
+decoded, rows read, KV sequences edited), the way its decodes reach it (access.py: a context of its own, or a slot's
 submissions to a context that slots share, shared_context.py), the history (sequence.py) and token trees
 (tree_decoding.py).
 """
@@ -22,7 +22,7 @@ import numpy as np
 
 from . import kv_cache, rpc
 from .access import ABORTABLE_BATCH, OwnAccess, SlotAccess  # noqa: F401  (ABORTABLE_BATCH: decoder's name too)
-from .context import Context, default_threads
+from .llama_context import Context, default_threads
 from .errors import GGUFSpecError
 from .gguf_check import read_header
 from .lockstep import Lockstep, Price

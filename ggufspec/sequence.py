@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from .access import Access
-from .context import Context, opened
+from .llama_context import Context, opened
 from .errors import ContextLengthError, GGUFSpecError
 from .history import common_prefix
 from .lockstep import LockstepSlot

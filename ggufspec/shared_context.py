@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from .context import Context
+from .llama_context import Context
 from .errors import GGUFSpecError
 from .lockstep import Price, Submission, even_lanes
 
