@@ -3,35 +3,36 @@ a `LlamaModel` (model.py: weights, vocabulary, metadata).
 
 A decoder holds a token history whose KV entries live in the context. Feeding tokens appends
 them; rolling back removes KV entries. Every position is decoded once unless rolled back.
+
+LlamaCppDecoder is put together from: the llama.cpp context (llama_context.py: opened from DecoderOptions, a batch
+decoded, rows read, KV sequences edited), the way its decodes reach it (access.py: a context of its own, or a slot's
+submissions to a context that slots share, shared_context.py), the history (sequence.py) and token trees
+(tree_decoding.py).
 """
 
 from __future__ import annotations
 
-import copy
-import ctypes
 import os
-import time
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Iterable, Protocol, Sequence
+from typing import Protocol, Sequence
 
 import llama_cpp
 import numpy as np
-from gguf import GGMLQuantizationType
 
-from . import kv_cache, llama_log, rpc
-from .errors import ContextLengthError, GGUFSpecError
+from . import kv_cache, rpc
+from .access import ABORTABLE_BATCH, OwnAccess, SlotAccess  # noqa: F401  (ABORTABLE_BATCH: decoder's name too)
+from .llama_context import Context, default_threads
+from .errors import GGUFSpecError
 from .gguf_check import read_header
-from .history import common_prefix
-from .llama_batch import Batch
-from .lockstep import Lockstep, LockstepSlot, Price, Submission, even_lanes
+from .lockstep import Lockstep, Price
 from .machine_cache import notice
 from .memory import check_memory
 from .model import LlamaModel
-from .recurrent import Rewind, Rollbacks, memory_kind, snapshots_for
-from . import mtp
-from .mtp import HiddenRows
+from .recurrent import MemoryKind, memory_kind
+from .sequence import REDECODE_NOW, KvSequence  # noqa: F401  (REDECODE_NOW: decoder's name too)
+from .shared_context import SharedContext
+from .tree_decoding import TreeDecoding
 from .waiting import waiting
 
 
@@ -89,20 +90,13 @@ class Decoder(Protocol):
 
 
 # KV cache types llama.cpp accepts (its --cache-type-k/-v); all but the unquantized need flash attention.
-from .kv_types import KV_TYPES, UNQUANTIZED_KV  # noqa: E402  (apart, for the command line)
+from .kv_types import KV_TYPES, UNQUANTIZED_KV, kv_label  # noqa: E402  (apart, for the command line)
 # On CPU a prefill runs about as fast in 64-token micro-batches as in 512-token ones, and their activations take
 # less memory (docs/memory.md). docs/methods.md#measured-constants: CPU_UBATCH
 CPU_UBATCH = 64
-# Batches of more tokens than this (prefills) run with llama_log.abort_check, so that Ctrl-C stops them between
-# graph nodes rather than after the whole batch; smaller ones (verification chains and trees, Medusa's of up to 64
-# nodes, single tokens) skip the check's call into Python at every node.
-ABORTABLE_BATCH = 64
 # A slot (LlamaCppDecoder.slots) decodes a prompt in chunks of at most this many tokens, each riding in one shared
 # batch with the other slots' steps: a long prompt joining delays their next tokens by about one such chunk's decode
 SLOT_CHUNK = 128
-# Tokens a rollback on recurrent memory leaves to decode again (from a checkpoint, or cleared) ride in front of the
-# next feed up to this many (a verification chain's worth); more are decoded at once, without logits
-REDECODE_NOW = 16
 
 
 @dataclass
@@ -241,20 +235,9 @@ def gpu_offload() -> bool:
     return bool(rpc.local_gpus())
 
 
-def kv_label(k: str, v: str) -> str:
-    """A K/V cache pair as users read it: "q8_0", or "q8_0/f16" where the two differ."""
-    return k if k == v else f"{k}/{v}"
-
-
-def default_threads() -> int:
-    """GGUFSPEC_THREADS when set, else every core this process may run on."""
-    if os.environ.get("GGUFSPEC_THREADS", "").isdigit() and int(os.environ["GGUFSPEC_THREADS"]) > 0:
-        return int(os.environ["GGUFSPEC_THREADS"])
-    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
-
-
-class LlamaCppDecoder(LockstepSlot):
-    """One GGUF model and one llama.cpp context, driven through the low-level API."""
+class LlamaCppDecoder(TreeDecoding):
+    """One GGUF model and one llama.cpp context, driven through the low-level API: a context of its own, or a slot of
+    one that several share (`slots`)."""
 
     def __init__(self, path: str | os.PathLike, options: DecoderOptions | None = None) -> None:
         """Load the model and make its context. `options` are resolved first (DecoderOptions.resolved: the default V
@@ -268,16 +251,8 @@ class LlamaCppDecoder(LockstepSlot):
             # (a recurrent model's tree sequences are turned off below: one state per independent sequence)
             check_memory([(self.path, self.header)], opts.n_ctx, opts.cache_type, opts.cache_type_v,
                          n_rs_seq=opts.n_rs_seq, sequences=opts.n_seq_max if opts.kv_unified is False else 1)
-        self._ctx = self._batch = None
-        remote = rpc.devices(rpc.parse_endpoints(opts.rpc)) if opts.remote else None  # may abort: see isolated.py
-        with waiting(f"loading {self.path.name}", show=not opts.verbose):  # a long load shows on a terminal
-            self.model = model = LlamaModel(self.path, self.header, n_gpu_layers=(opts.n_gpu_layers or -1) if remote
-                                            else opts.n_gpu_layers, use_mmap=opts.use_mmap, use_mlock=opts.use_mlock,
-                                            repack=opts.repack, verbose=opts.verbose, devices=remote,
-                                            tensor_split=opts.tensor_split, load_mtp=opts.mtp)
-        self.vocab, self.n_vocab, self.n_embd = model.vocab, model.n_vocab, model.n_embd
-        self.weight_buffers, self.cpu_backend = model.weight_buffers, model.cpu_backend
-        self.memory = memory_kind(model.handle)
+        model = self._load(opts)
+        self._use_model(model)
         if self.memory.recurrent and opts.n_seq_max > 1 and opts.kv_unified is not False:
             # sequences in one cell array serve token trees, whose tokens sit in several sequences at once: recurrent
             # layers hold one state per sequence and cannot share them, and each sequence would hold a state
@@ -285,85 +260,26 @@ class LlamaCppDecoder(LockstepSlot):
                    "share a token between sequences); drafts run as chains")
             self.options = opts = replace(opts, n_seq_max=1, kv_unified=None)
         try:
-            cparams = llama_cpp.llama_context_default_params()
-            cparams.n_ctx = opts.n_ctx
-            cparams.n_batch = opts.n_batch
-            cparams.n_ubatch = opts.micro_batch
-            cparams.n_seq_max = opts.n_seq_max
-            cparams.n_threads = opts.n_threads or default_threads()
-            cparams.n_threads_batch = opts.n_threads_batch or cparams.n_threads
-            cparams.embeddings = opts.embeddings
-            if opts.embeddings:
-                cparams.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_NONE
-            cparams.kv_unified = opts.n_seq_max > 1 if opts.kv_unified is None else opts.kv_unified
-            if opts.flash_attn is not None:
-                cparams.flash_attn_type = (
-                    llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if opts.flash_attn else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
-                )
-            cparams.no_perf = True
-            if self.memory.recurrent:
-                cparams.n_rs_seq = snapshots_for(opts.n_rs_seq, opts.micro_batch)
-            self.kv_type, self.kv_type_v = opts.cache_type, opts.cache_type_v
-            cparams.type_k = int(GGMLQuantizationType[self.kv_type.upper()])
-            cparams.type_v = int(GGMLQuantizationType[self.kv_type_v.upper()])
-            with llama_log.interruptible():
-                self._ctx = llama_cpp.llama_init_from_model(model.handle, cparams)
-            if not self._ctx and opts.kv_type is opts.kv_type_k is opts.kv_type_v is None and self.kv_cache != "f16":
-                # the default q8_0 needs flash attention, which llama.cpp's "auto" may have turned down, and
-                # head sizes that are multiples of its 32-value blocks
-                self.kv_type = self.kv_type_v = "f16"
-                cparams.type_k = cparams.type_v = int(GGMLQuantizationType.F16)
-                self._ctx = llama_cpp.llama_init_from_model(model.handle, cparams)
-            if not self._ctx:
-                quantized = {self.kv_type, self.kv_type_v} - set(UNQUANTIZED_KV)
-                why = (f"a {self.kv_cache} KV cache needs flash attention and head sizes its blocks divide: "
-                       "try --kv-type f16; or not enough memory" if quantized else
-                       "not enough memory? try a smaller --n-ctx")
-                raise GGUFSpecError(
-                    f"{self.path}: llama.cpp could not create a context with n_ctx={opts.n_ctx} "
-                    f"({why}; --verbose shows llama.cpp's reason)."
-                )
-            # llama.cpp may round the context up; the limit the user asked for is the one we keep.
-            self.n_ctx: int = min(opts.n_ctx, llama_cpp.llama_n_ctx(self._ctx))
-            self.n_ubatch: int = llama_cpp.llama_n_ubatch(self._ctx)
-            self._mem = llama_cpp.llama_get_memory(self._ctx)
-            self._batch = Batch(max(opts.n_batch, 1), opts.n_seq_max)
-            # what llama.cpp gave: it sets n_rs_seq back to 0 for architectures without snapshots
-            self.n_rs_seq: int = llama_cpp.llama_n_rs_seq(self._ctx) if self.memory.recurrent else 0
-            self.hidden_rows: HiddenRows | None = None  # with options.mtp: the rows its MTP head reads (mtp.py)
-            if opts.mtp:
-                mtp.record_hidden(self._ctx)
-                self.hidden_rows = HiddenRows(llama_cpp.llama_model_n_embd_out(model.handle))
+            context = Context(model, opts, self.memory.recurrent, self.path)
         except BaseException:
             self.close()
             raise
-        self.history: list[int] = []
-        self.shift_keep: int | None = None  # set: a feed that overflows shifts the context instead of failing
-        self.n_shifts = 0
-        self.decode_seconds = 0.0
-        self.hold_seconds = 0.0  # recurrent memory: saving and restoring checkpoints (recurrent.Rewind), a clock
-        self.n_decodes = 0
-        self.n_decoded_tokens = 0
-        self.n_batched_tokens = 0
-        self.lanes: tuple[int, ...] = ()
-        self.tick = -1
-        self._n_out = 0  # rows of hidden states the last decode computed
-        self._hidden_on = opts.embeddings
-        self._abort_on = False  # llama_log.abort_check installed: see ABORTABLE_BATCH
-        self._views: dict[tuple[int, int, int], np.ndarray] = {}  # see _buffer_rows
-        self._skip = 0  # leading rows of the last decode that were deferred tokens, not asked for
-        self._deferred: list[int] = []
-        self._unrecorded = False  # a decode's cells may be in the KV cache without being in the history
-        self._tree: _Tree | None = None
-        self._tree_pre: list[int] = []  # deferred tokens decoded in front of the pending tree
-        # a slot of a shared context (see slots): its sequences are _seq (the history) and the _span - 1 after it
-        # (its trees' leaves); its decodes are submissions to _runner's batches through _lockstep
-        self._seq, self._span = 0, opts.n_seq_max
-        self._lockstep: Lockstep | None = None
-        self._runner: _SharedContext | None = None
-        self._sub: Submission | None = None  # a slot's last decode, with its copied rows
-        self._owner = True  # frees the context on close (a slot does not)
-        self._rewind = self._new_rewind(0)  # recurrent memory: how the history's sequence goes back
+        super().__init__(OwnAccess(context), opts, context.n_ctx)
+
+    def _load(self, opts: DecoderOptions) -> LlamaModel:
+        remote = rpc.devices(rpc.parse_endpoints(opts.rpc)) if opts.remote else None  # may abort: see isolated.py
+        with waiting(f"loading {self.path.name}", show=not opts.verbose):  # a long load shows on a terminal
+            return LlamaModel(self.path, self.header, n_gpu_layers=(opts.n_gpu_layers or -1) if remote
+                              else opts.n_gpu_layers, use_mmap=opts.use_mmap, use_mlock=opts.use_mlock,
+                              repack=opts.repack, verbose=opts.verbose, devices=remote,
+                              tensor_split=opts.tensor_split, load_mtp=opts.mtp)
+
+    def _use_model(self, model: LlamaModel, memory: MemoryKind | None = None) -> None:
+        """Decode with `model`, whose memory kind is `memory` (None: asked of llama.cpp)."""
+        self.model = model
+        self.vocab, self.n_vocab, self.n_embd = model.vocab, model.n_vocab, model.n_embd
+        self.weight_buffers, self.cpu_backend = model.weight_buffers, model.cpu_backend
+        self.memory = memory_kind(model.handle) if memory is None else memory
 
     @classmethod
     def slots(cls, path: str | os.PathLike, options: DecoderOptions, n: int,
@@ -393,416 +309,50 @@ class LlamaCppDecoder(LockstepSlot):
                         n_ubatch=min(options.micro_batch, n * chunk), kv_unified=True if n == 1 else False)
         owner = cls(path, whole)
         span = owner.options.n_seq_max // n  # 1 where recurrent memory turned the trees off
-        runner = _SharedContext(owner, leads)
-        view_options = replace(owner.options, n_ctx=per_slot, n_batch=chunk, n_seq_max=span, n_ubatch=None)
-        return [owner._slot(i * span, view_options, lockstep, runner) for i in range(n)]
+        context = owner._context()
+        context.lock = lockstep.lock  # every use of the shared context holds it
+        runner = SharedContext(context, owner, leads)
+        slot_options = replace(owner.options, n_ctx=per_slot, n_batch=chunk, n_seq_max=span, n_ubatch=None)
+        return [cls._slot(owner, SlotAccess(runner, lockstep, i * span, span), slot_options) for i in range(n)]
 
-    def _new_rewind(self, seq: int) -> Rewind | None:
-        """The rollback rules of sequence `seq` on recurrent memory; None on attention memory (any rollback is free)."""
-        return Rewind(self._ctx, seq, self.n_rs_seq, self.n_ubatch) if self.memory.recurrent else None
-
-    def _slot(self, seq: int, options: DecoderOptions, lockstep: Lockstep, runner: _SharedContext) -> LlamaCppDecoder:
-        view = copy.copy(self)
-        view.options, view.n_ctx = options, options.n_ctx
-        view._seq, view._span, view._lockstep, view._runner, view._sub, view._owner = (
-            seq, options.n_seq_max, lockstep, runner, None, False)
-        view.history, view._deferred, view._tree, view._tree_pre = [], [], None, []
-        view.shift_keep, view.n_shifts, view.decode_seconds, view.n_decodes = None, 0, 0.0, 0
-        view.hold_seconds = 0.0
-        view.n_decoded_tokens = view.n_batched_tokens = 0
-        view.lanes, view.tick = (), -1
-        view._n_out = view._skip = 0
-        view._unrecorded = False
-        view._rewind = view._new_rewind(seq)
-        view.hidden_rows = HiddenRows(self.hidden_rows.width) if self.hidden_rows is not None else None
-        return view
+    @classmethod
+    def _slot(cls, owner: LlamaCppDecoder, access: SlotAccess, options: DecoderOptions) -> LlamaCppDecoder:
+        """A decoder over the model and the open context of `owner`, reaching the context through `access`."""
+        slot = cls.__new__(cls)
+        slot.path, slot.header = owner.path, owner.header
+        slot._use_model(owner.model, owner.memory)
+        KvSequence.__init__(slot, access, options, options.n_ctx)
+        return slot
 
     @property
     def llama_context(self):
         """The llama.cpp context (a llama_context pointer), for llama.cpp's own API: its use bypasses the history."""
-        return self._require_ctx()
+        return self._context().ctx
 
     @property
-    def rollbacks(self) -> Rollbacks | None:
-        """How this decoder's rollbacks went on recurrent memory (counts, only growing); None on attention memory."""
-        return self._rewind.counts if self._rewind is not None else None
-
-    @property
-    def shared(self) -> bool:
-        """Whether this decoder is a slot of a shared context."""
-        return self._lockstep is not None
+    def shared_context(self) -> SharedContext | None:
+        """The context this slot shares with the others (slots), None on a context of its own or once closed. Its
+        close() frees the context and the model for every slot, once they are closed."""
+        return self._access.runner
 
     def pad_chains(self, price: Price | None, pad_max: int) -> None:
         """How this slot's shared context runs uneven chains from now on, for every slot of it: with `price` (a
         micro-batch's seconds by its shape, e.g. CostModel.micro_seconds) chains of up to `pad_max` tokens are padded
         to one length where that costs less (lockstep.even_lanes); price None (the default): batches run as
         submitted. GGUFSpecError on a decoder with a context of its own."""
-        if self._runner is None:
+        runner = self._access.runner
+        if runner is None:
             raise GGUFSpecError("pad_chains needs a slot of a shared context (LlamaCppDecoder.slots)")
-        self._runner.price, self._runner.pad_max = price, pad_max
-
-    def _locked(self) -> AbstractContextManager:
-        """Held around every use of a shared context (nothing for a context of one's own)."""
-        return self._lockstep.lock if self._lockstep is not None else nullcontext()
-
-    def _submit(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[Sequence[int]],
-                outputs: Sequence[bool], hidden: bool) -> int:
-        """A slot's decode: its part of the next shared batch; llama_decode's return code."""
-        sub = Submission(tokens, positions, seq_ids, outputs, hidden, self._seq)
-        self._unrecorded = True
-        try:
-            self._lockstep.submit(self._runner, sub)
-        finally:
-            self.decode_seconds += sub.seconds
-            self.n_decodes += 1
-            self.n_decoded_tokens += len(tokens)
-            self.n_batched_tokens += sub.batch
-            self.lanes, self.tick = sub.lanes, sub.tick
-        self._sub = sub
-        return sub.rc
+        runner.price, runner.pad_max = price, pad_max
 
     def metadata(self, key: str) -> str | None:
         """A GGUF metadata value of the model, as text; None when absent."""
         return self.model.metadata(key)
 
-    # --- decoding -------------------------------------------------------------------------
-
     @property
-    def n_deferred(self) -> int:
-        return len(self._deferred)
-
-    def feed(self, tokens: Sequence[int], all_logits: bool = True, view: bool = False) -> np.ndarray:
-        if len(tokens) == 0:
-            raise ValueError("feed needs at least one token")
-        if self._tree is not None:
-            self._end_tree()
-        pre = self._take_deferred() if self._deferred else []
-        base = len(self.history)
-        try:
-            rows = self._feed([*pre, *tokens] if pre else tokens, all_logits, view)
-        except BaseException:
-            self._restore_deferred(pre, base)
-            raise
-        self._skip = len(pre) if all_logits and len(pre) + len(tokens) <= self.options.n_batch else 0
-        return rows[len(pre):] if all_logits and pre else rows
-
-    def _feed(self, tokens: Sequence[int], all_logits: bool, view: bool) -> np.ndarray:
-        n = len(tokens)
-        if len(self.history) + n > self.n_ctx:
-            if self.shift_keep is None:
-                raise ContextLengthError(
-                    f"{len(self.history) + n} tokens do not fit the context of {self.n_ctx} tokens (raise --n-ctx)."
-                )
-            self.shift(n)
-        step = self.options.n_batch
-        if n <= step:  # one batch (every step of a generation)
-            self._decode(tokens, all_logits)
-            return self._logits(n if all_logits else 1, view)
-        rows = []
-        for start in range(0, n, step):
-            chunk = tokens[start : start + step]
-            last_chunk = start + step >= n
-            self._decode(chunk, all_logits)
-            if all_logits or last_chunk:
-                rows.append(self._logits(len(chunk) if all_logits else 1, view and last_chunk))
-        return rows[0] if len(rows) == 1 else np.concatenate(rows)
-
-    def _decode(self, tokens: Sequence[int], all_logits: bool) -> None:
-        self._require_ctx()
-        hidden = all_logits or len(tokens) == 1
-        if self.shared:
-            start, n = len(self.history), len(tokens)
-            rc = self._submit(tokens, range(start, start + n), [[self._seq]] * n,
-                              [all_logits or i == n - 1 for i in range(n)], hidden)
-        else:
-            self._batch.fill(tokens, len(self.history), all_logits)
-            rc = self._run_batch(len(tokens), hidden)
-        if rc != 0:
-            # llama.cpp leaves no partial batch in the KV on failure; the history stays as it was.
-            raise GGUFSpecError(f"llama_decode failed with code {rc} at position {len(self.history)}")
-        if self.hidden_rows is not None:
-            self.hidden_rows.put(len(self.history), self._nextn(len(tokens)))
-        self.history.extend(map(int, tokens))
-        self._unrecorded = False
-        if self._rewind is not None:
-            self._rewind.decoded(len(tokens))
-        self._n_out = len(tokens) if hidden else 0  # hidden: every token's row, or the one token's
-        self._skip = 0
-
-    def _run_batch(self, n_tokens: int, hidden: bool = True) -> int:
-        """llama_decode of the filled batch, timed and counted; its return code. Until the caller records the
-        tokens, the cache may hold cells the history does not (see rollback_to). hidden=False: no hidden states
-        (llama.cpp outputs logits and states of every token of a batch while embeddings are on: a prefill
-        would compute and copy the whole vocabulary's logits for every prompt token)."""
-        if self._hidden_on != (hidden and self.options.embeddings):
-            self._hidden_on = not self._hidden_on
-            llama_cpp.llama_set_embeddings(self._ctx, self._hidden_on)
-        abortable = n_tokens > ABORTABLE_BATCH
-        if self._abort_on != abortable:
-            self._abort_on = abortable
-            llama_cpp.llama_set_abort_callback(self._ctx, llama_log.abort_check if abortable else llama_log.NO_ABORT_CHECK,
-                                               None)
-        t0 = time.perf_counter()
-        self._unrecorded = True
-        try:
-            if abortable:
-                with llama_log.interruptible():  # rc 2 when Ctrl-C aborted it
-                    rc = llama_cpp.llama_decode(self._ctx, self._batch.struct)
-            else:
-                rc = llama_cpp.llama_decode(self._ctx, self._batch.struct)
-            if rc == 0:  # an asynchronous backend (RPC, CUDA) returns before it computed: its time is the pass's
-                llama_cpp.llama_synchronize(self._ctx)
-        finally:
-            self.decode_seconds += time.perf_counter() - t0
-            self.n_decodes += 1
-            self.n_decoded_tokens += n_tokens
-            self.n_batched_tokens += n_tokens
-        return rc
-
-    def _nextn(self, n: int) -> np.ndarray:
-        """The hidden rows of the last decode's n tokens (options.mtp), a view while valid."""
-        if self.shared:
-            return self._sub.nextn
-        return mtp.hidden_rows(self._ctx, n, self.hidden_rows.width)
-
-    def _logits(self, n_rows: int, view: bool = False) -> np.ndarray:
-        if self.shared:
-            return self._sub.logits  # the rows it asked for, copied: n_rows of them
-        rows = _buffer_rows(self._views, llama_cpp.llama_get_logits(self._ctx), n_rows, self.n_vocab)
-        return rows if view else rows.copy()
-
-    def sync(self, tokens: Sequence[int], view: bool = False) -> np.ndarray:
-        tokens = list(tokens)
-        if not tokens:
-            raise ValueError("sync needs at least one token")
-        keep = min(common_prefix(self.history, tokens), len(tokens) - 1)  # re-decode one token for its logits
-        self.rollback_to(keep)
-        return self.feed(tokens[keep:], all_logits=False, view=view)
-
-    def shift(self, room: int) -> None:
-        """Context shift: drop the older half of the history after its first `shift_keep` tokens (at
-        least enough to make `room`), sliding the rest down in place, as llama.cpp's --context-shift does."""
-        keep, n = self.shift_keep or 0, len(self.history)
-        discard = max((n - keep) // 2, n + room - self.n_ctx)
-        if keep + discard > n or room > self.n_ctx - keep:
-            raise ContextLengthError(f"{room} tokens do not fit after the {keep} kept ones in a context of {self.n_ctx}.")
-        mem = self._mem_checked()
-        if not llama_cpp.llama_memory_can_shift(mem):
-            raise GGUFSpecError("this model's cache cannot shift positions; use a larger --n-ctx instead.")
-        with self._locked():
-            llama_cpp.llama_memory_seq_rm(mem, self._seq, keep, keep + discard)
-            llama_cpp.llama_memory_seq_add(mem, self._seq, keep + discard, -1, -discard)
-            if self._rewind is not None:  # its snapshots and checkpoints hold the positions before the shift
-                self._rewind.forget()
-        if self.hidden_rows is not None:
-            self.hidden_rows.shift(keep, discard)
-        del self.history[keep : keep + discard]
-        self.n_shifts += 1
-
-    def rollback_to(self, n: int) -> None:
-        if not 0 <= n <= len(self.history):
-            raise ValueError(f"cannot roll back to {n}: the history holds {len(self.history)} tokens")
-        self._end_tree()
-        if self.hidden_rows is not None:  # deferred tokens keep theirs: the same tokens after the same ones
-            self.hidden_rows.cut(n)
-        cached = len(self.history) - len(self._deferred)
-        if self._rewind is not None:
-            self._rewind_to(n, cached)
-            return
-        # _unrecorded: a decode was interrupted (Ctrl-C lands right after llama_decode returns) before the
-        # history recorded it, so cells past the history may hold its tokens; any tree sequences go with them
-        if n < cached or self._unrecorded:
-            with self._locked():  # a slot's own sequence (its tree sequences went with _end_tree), else all
-                ok = llama_cpp.llama_memory_seq_rm(self._mem_checked(), self._seq if self.shared else -1,
-                                                   min(n, cached), -1)
-            if not ok:
-                raise GGUFSpecError("this model's memory cannot be rolled back partially (recurrent model?)")
-            self._unrecorded = False
-        del self._deferred[max(n - cached, 0):]
-        del self.history[n:]
-
-    def _rewind_to(self, n: int, cached: int) -> None:
-        """rollback_to on recurrent memory: the tokens of history[:n] that its snapshot or checkpoint does not hold
-        (recurrent.Rewind.back) are deferred to the next feed, or decoded now where they are more than a verification
-        batch's worth (a prefix reused from far back: the next feed may want every row's logits)."""
-        self._require_ctx()
-        if n < cached or self._unrecorded:
-            with self._locked():
-                held = self._rewind.back(cached, n, known=not self._unrecorded)
-                self.hold_seconds += self._rewind.seconds
-                self._rewind.seconds = 0.0
-            self._unrecorded = False
-            again = self.history[held:n]
-            del self.history[held:]
-            self._deferred = []
-            if len(again) > REDECODE_NOW:
-                self._feed(again[:-REDECODE_NOW], all_logits=False, view=True)
-                again = again[-REDECODE_NOW:]
-            self.history.extend(again)
-            self._deferred = again
-        else:
-            del self._deferred[max(n - cached, 0):]
-            del self.history[n:]
-
-    def hold(self, undo: int | None = None, anchor: bool = False) -> None:
-        """See Decoder.hold. A checkpoint holds what the memory holds: deferred tokens stay deferred, and a rollback to
-        it decodes them again."""
-        if self._rewind is None or self._unrecorded:  # the state after an unrecorded decode is no point to go back to
-            return
-        self._require_ctx()
-        with self._locked():
-            self._rewind.hold(len(self.history) - len(self._deferred), undo, anchor,
-                              len(self._deferred) + (undo or 0) + 1)
-            self.hold_seconds += self._rewind.seconds
-            self._rewind.seconds = 0.0
-
-    def reset(self) -> None:
-        """Forget the whole history."""
-        if self._rewind is not None:
-            self._rewind.forget()
-        if self.shared:
-            self._drop_sequences(range(self._seq, self._seq + self._span))
-        else:
-            llama_cpp.llama_memory_clear(self._mem_checked(), True)
-        self._unrecorded = False
-        if self.hidden_rows is not None:
-            self.hidden_rows.clear()
-        self.history.clear()
-        self._deferred.clear()
-        self._tree, self._tree_pre = None, []
-
-    def _take_deferred(self) -> list[int]:
-        pre, self._deferred = self._deferred, []
-        if pre:
-            del self.history[-len(pre):]
-        return pre
-
-    def _restore_deferred(self, pre: list[int], base: int) -> None:
-        """After a failed decode: deferred tokens it did not get into the cache stay deferred."""
-        if pre and len(self.history) == base:
-            self.history.extend(pre)
-            self._deferred = pre
-
-    def hidden_states(self) -> np.ndarray:
-        if not self.options.embeddings:
-            raise GGUFSpecError("hidden states need a decoder created with embeddings=True")
-        if not self._n_out:
-            raise GGUFSpecError("the last decode computed no hidden states (a prefill for the last token's logits)")
-        if self.shared:
-            return self._sub.states[self._skip :]
-        ptr = llama_cpp.llama_get_embeddings(self._require_ctx())
-        return np.ctypeslib.as_array(ptr, shape=(self._n_out, self.n_embd))[self._skip :].copy()
-
-    # --- trees ----------------------------------------------------------------------------
-
-    def tree_logits(self, tokens: Sequence[int], parents: Sequence[int]) -> np.ndarray:
-        self._end_tree()
-        pre = self._take_deferred()  # decoded as a chain above the roots
-        base = len(self.history)
-        try:
-            logits = self._decode_tree([*pre, *tokens], [*range(-1, len(pre) - 1), *(p + len(pre) for p in parents)])
-        except BaseException:
-            self._restore_deferred(pre, base)
-            raise
-        self.history.extend(pre)  # in the cache now, but only in the tree's sequences until the commit
-        self._tree_pre, self._skip = pre, len(pre)
-        return logits[len(pre):]
-
-    def _decode_tree(self, tokens: Sequence[int], parents: Sequence[int]) -> np.ndarray:
-        tree = _Tree.build(parents)
-        if tree.n_leaves + 1 > self.options.n_seq_max:
-            raise GGUFSpecError(
-                f"a tree with {tree.n_leaves} leaves needs n_seq_max >= {tree.n_leaves + 1}, "
-                f"this context has {self.options.n_seq_max}"
-            )
-        if len(self.history) + tree.depth_max + 1 > self.n_ctx:
-            if self.shift_keep is None:
-                raise ContextLengthError(f"the tree does not fit the context of {self.n_ctx} tokens")
-            self.shift(tree.depth_max + 1)
-        base = len(self.history)
-        if len(tokens) > self.options.n_batch:
-            raise GGUFSpecError(f"a tree of {len(tokens)} nodes needs n_batch >= {len(tokens)}")
-        mem, seq = self._mem_checked(), self._seq
-        with self._locked():
-            for s in range(1, tree.n_leaves + 1):
-                llama_cpp.llama_memory_seq_cp(mem, seq, seq + s, -1, -1)
-        positions = [base + d for d in tree.depth]
-        if self.shared:
-            rc = self._submit(tokens, positions, [[seq + s for s in ids] for ids in tree.seq_ids], [True] * len(tokens),
-                              True)
-        else:
-            self._batch.fill_tree(tokens, positions, tree.seq_ids)
-            rc = self._run_batch(len(tokens))
-            self._batch.reset_sequences(len(tokens))
-        if rc != 0:
-            self._drop_sequences(range(seq + 1, seq + tree.n_leaves + 1))
-            raise GGUFSpecError(f"llama_decode failed with code {rc} on a tree of {len(tokens)} nodes")
-        self._n_out = len(tokens)
-        self._tree = tree
-        self._tree_tokens = [int(t) for t in tokens]
-        self._tree_rows = self._nextn(len(tokens)).copy() if self.hidden_rows is not None else None
-        self._unrecorded = False
-        return self._logits(len(tokens))
-
-    def commit_tree_path(self, path: Sequence[int]) -> int:
-        tree = self._tree
-        if tree is None:
-            raise GGUFSpecError("commit_tree_path needs a tree_logits call just before it")
-        n_pre = len(self._tree_pre)  # the deferred tokens in front: the caller's node i is node i + n_pre
-        for a, b in zip(path, path[1:]):
-            if tree.parents[b + n_pre] != a + n_pre:
-                raise ValueError(f"node {b} is not a child of node {a}")
-        if path and tree.parents[path[0] + n_pre] != n_pre - 1:
-            raise ValueError(f"path must start at a root node, node {path[0]} is not one")
-        full = [*range(n_pre), *(int(i) + n_pre for i in path)]
-        mem, seq = self._mem, self._seq
-        base = len(self.history) - n_pre
-        with self._locked():
-            if full:
-                leaf_seq = seq + tree.seq_ids[full[-1]][0]
-                llama_cpp.llama_memory_seq_rm(mem, leaf_seq, base + len(full), -1)
-                self._keep_sequence(leaf_seq, tree.n_leaves)
-                llama_cpp.llama_memory_seq_cp(mem, leaf_seq, seq, -1, -1)
-                llama_cpp.llama_memory_seq_rm(mem, leaf_seq, -1, -1)
-            else:
-                self._keep_sequence(seq, tree.n_leaves)
-        # Node i of the batch sits in the cache cell after node i-1's. The path's nodes after its first gap
-        # would sit past freed cells that later tokens fill: out of position order, and llama.cpp's attention
-        # adds up cells in cache order, so its logits would drift from plain decoding's (docs/exactness.md). Those
-        # nodes are dropped from the cache and decoded again in front of the next batch.
-        contiguous = next((i for i, node in enumerate(full) if node != i), len(full))
-        if contiguous < len(full):
-            with self._locked():
-                llama_cpp.llama_memory_seq_rm(mem, seq, base + contiguous, -1)
-        committed = [self._tree_tokens[i] for i in full]
-        if self.hidden_rows is not None and full:  # the path's rows, at the positions its nodes take
-            self.hidden_rows.cut(base)
-            self.hidden_rows.put(base, self._tree_rows[full])
-        del self.history[base:]
-        self.history.extend(committed)
-        self._deferred = committed[contiguous:]
-        self._tree, self._tree_pre = None, []
-        return len(self._deferred)
-
-    def _end_tree(self) -> None:
-        """Drop an uncommitted tree from the cache: the history is as it was before tree_logits."""
-        if self._tree is not None:
-            with self._locked():  # the tree's cells are in its leaves' sequences only
-                self._keep_sequence(self._seq, self._tree.n_leaves)
-            self._deferred = self._tree_pre
-            self._tree, self._tree_pre = None, []
-
-    def _keep_sequence(self, keep: int, n_leaves: int) -> None:
-        """Of this decoder's history sequence and its tree's n_leaves leaf sequences, only `keep` stays."""
-        if not self.shared:
-            llama_cpp.llama_memory_seq_keep(self._mem, keep)  # one pass over the cache; there is no other slot
-            return
-        self._drop_sequences(s for s in range(self._seq, self._seq + n_leaves + 1) if s != keep)
-
-    def _drop_sequences(self, seqs: Iterable[int]) -> None:
-        with self._locked():
-            for s in seqs:
-                llama_cpp.llama_memory_seq_rm(self._mem_checked(), s, -1, -1)
+    def kv_cache(self) -> str:
+        """The K/V cache types of this context, as kv_label spells them."""
+        return kv_label(self.kv_type, self.kv_type_v)
 
     # --- independent sequences -------------------------------------------------------------
 
@@ -815,7 +365,7 @@ class LlamaCppDecoder(LockstepSlot):
         the history must be empty, seq_ids below n_seq_max; clear_sequence frees one sequence, reset() all.
         view=True: a read-only view of llama.cpp's buffer, valid only until this decoder's next decode.
         """
-        self._require_ctx()
+        context = self._context()
         self._require_own("decode_sequences")
         self._end_tree()
         self._require_no_history("decode_sequences")
@@ -825,29 +375,21 @@ class LlamaCppDecoder(LockstepSlot):
                              f"got {n}, {len(positions)} and {len(seq_ids)}")
         if not all(0 <= s < self.options.n_seq_max for s in seq_ids):
             raise ValueError(f"sequence ids must be in 0..{self.options.n_seq_max - 1} (n_seq_max), got {sorted(set(seq_ids))}")
-        if n > self._batch.capacity:
-            raise GGUFSpecError(f"a batch of {n} tokens needs n_batch >= {n}, this context has {self._batch.capacity}")
-        self._batch.fill_tree(tokens, positions, [[s] for s in seq_ids])
-        rc = self._run_batch(n)  # the cells stay unrecorded: not the history's, rollback_to(0) drops them too
-        self._batch.reset_sequences(n)
+        if n > context.batch.capacity:
+            raise GGUFSpecError(f"a batch of {n} tokens needs n_batch >= {n}, this context has {context.batch.capacity}")
+        self._unrecorded = True  # and they stay so: not the history's, rollback_to(0) drops them too
+        rc = self._access.tree(tokens, positions, [[s] for s in seq_ids])
         if rc != 0:
             raise GGUFSpecError(f"llama_decode failed with code {rc} on a batch of {n} tokens in sequences "
                                 f"{sorted(set(seq_ids))} (raise n_ctx?)")
         self._n_out, self._skip = n, 0
-        return self._logits(n, view)
+        return self._access.logits(n, view)
 
     def clear_sequence(self, seq_id: int) -> None:
         """Drop every KV entry of sequence seq_id (filled by decode_sequences; the history must be empty)."""
         self._require_own("clear_sequence")
         self._require_no_history("clear_sequence")
-        llama_cpp.llama_memory_seq_rm(self._mem_checked(), seq_id, -1, -1)
-
-    def kv_positions(self, seq_id: int = 0) -> tuple[int, int]:
-        """Lowest and highest position the KV cache holds for sequence seq_id, (-1, -1) when none; sequence 0
-        holds the history."""
-        mem, seq_id = self._mem_checked(), self._seq + seq_id
-        with self._locked():
-            return llama_cpp.llama_memory_seq_pos_min(mem, seq_id), llama_cpp.llama_memory_seq_pos_max(mem, seq_id)
+        self._context().seq_rm(seq_id, -1, -1)
 
     def _require_own(self, what: str) -> None:
         if self.shared:
@@ -859,32 +401,14 @@ class LlamaCppDecoder(LockstepSlot):
 
     # --- lifetime -------------------------------------------------------------------------
 
-    def _require_ctx(self):
-        if self._ctx is None:
-            raise GGUFSpecError("this decoder is closed")
-        return self._ctx
-
-    def _mem_checked(self):
-        self._require_ctx()
-        return self._mem
-
-    @property
-    def kv_cache(self) -> str:
-        """The K/V cache types of this context, as kv_label spells them."""
-        return kv_label(self.kv_type, self.kv_type_v)
-
     def close(self) -> None:
         """Free the context, the batch and the model; further use raises GGUFSpecError. A slot lets go of its
         shared context, which the last reference frees."""
-        if not getattr(self, "_owner", True):
-            self._ctx = self._batch = self._runner = None
-            return
-        if self._batch is not None:
-            self._batch.close()
-            self._batch = None
-        if self._ctx is not None:
-            llama_cpp.llama_free(self._ctx)
-            self._ctx = None
+        access = getattr(self, "_access", None)  # None: the context did not open
+        if access is not None:
+            access.close()
+            if access.lockstep is not None:  # a slot: the model is the shared context's owner's
+                return
         if getattr(self, "model", None) is not None:
             self.model.close()
 
@@ -901,116 +425,6 @@ class LlamaCppDecoder(LockstepSlot):
             pass
 
 
-class _SharedContext:
-    """The context the slots share: runs one tick's submissions as one batch (lockstep.Runner)."""
-
-    def __init__(self, owner: LlamaCppDecoder, leads: bool = False) -> None:
-        self.owner, self.leads = owner, leads
-        self._hidden_on = owner.options.embeddings
-        self._views: dict[tuple[int, int, int], np.ndarray] = {}  # see _buffer_rows
-        # a micro-batch's price by its shape (EnginePool sets the measured one): uneven chains of up to pad_max
-        # tokens are padded to one length where that costs less (lockstep.even_lanes); None: batches run as submitted
-        self.price: Price | None = None
-        self.pad_max = 0
-
-    def run(self, subs: list[Submission]) -> tuple[int, ...]:
-        o = self.owner
-        # by sequence: llama.cpp splits a batch over several streams into micro-batches of consecutive sequence ids
-        # (and as many tokens of each), so slots in order share theirs
-        subs = sorted(subs, key=lambda s: s.lane)
-        # tokens by slot, under the slot's own sequence: a tree's tokens sit in its leaves' sequences after it
-        # (counted under their first, a lone slot's tree pass looked shared with a second slot, and `auto` priced
-        # its next step so)
-        lanes = [0] * (1 + subs[-1].lane)
-        for s in subs:
-            lanes[s.lane] += len(s.tokens)
-        ran = self._padded_lanes(subs, lanes)
-        tokens, positions, seq_ids, outputs = [], [], [], []
-        padded: list[tuple[int, int]] = []  # (sequence, its first pad's position)
-        # in sequence order, as llama.cpp takes consecutive sequences into one micro-batch; padded, every sequence up
-        # to the last one's (an idle one's submission None)
-        by_seq = {s.lane: s for s in subs}
-        order = [(seq, by_seq.get(seq)) for seq in range(len(ran))] if ran is not None else [(s.lane, s) for s in subs]
-        for seq, s in order:
-            if s is not None:
-                tokens += s.tokens
-                positions += s.positions
-                seq_ids += s.seq_ids
-                outputs += s.outputs
-            pad = ran[seq] - (len(s.tokens) if s is not None else 0) if ran is not None else 0
-            if pad:  # past the sequence's last position (an idle one's cached tokens), unread
-                end = s.positions[-1] + 1 if s is not None else llama_cpp.llama_memory_seq_pos_max(o._mem, seq) + 1
-                tokens += [subs[0].tokens[-1]] * pad
-                positions += range(end, end + pad)
-                seq_ids += [[seq]] * pad
-                outputs += [False] * pad
-                padded.append((seq, end))
-        n = len(tokens)
-        if n > o._batch.capacity:  # cannot happen: each slot submits at most its n_batch, and pads fit beside it
-            raise GGUFSpecError(f"a shared batch of {n} tokens exceeds its capacity {o._batch.capacity}")
-        o._batch.fill_entries(tokens, positions, seq_ids, outputs)
-        hidden = o.options.embeddings and any(s.hidden for s in subs)
-        if self._hidden_on != hidden:
-            self._hidden_on = hidden
-            llama_cpp.llama_set_embeddings(o._ctx, hidden)
-        rc = llama_cpp.llama_decode(o._ctx, o._batch.struct)
-        if rc == 0:
-            llama_cpp.llama_synchronize(o._ctx)  # as in _run_batch: the submissions' seconds include the computation
-        o._batch.reset_sequences(n)
-        for s in subs:
-            s.rc = rc
-        for seq, end in padded:  # the pads' cells go: each sequence is as if its own tokens had run alone
-            llama_cpp.llama_memory_seq_rm(o._mem, seq, end, -1)
-        if rc != 0:
-            return ran or tuple(lanes)
-        if o.hidden_rows is not None:  # every token's hidden row, in batch order: each submission's own, its pads after
-            rows, at = mtp.hidden_rows(o._ctx, n, o.hidden_rows.width), 0
-            for seq, s in order:
-                if s is not None:
-                    s.nextn = rows[at : at + len(s.tokens)].copy()
-                at += ran[seq] if ran is not None else len(s.tokens)
-        # llama.cpp keeps the output rows in batch order, each submission's together: one view of the batch, a slice
-        # copy each (a view and a stack per row cost several times as much, on every tick)
-        counts = [sum(map(bool, s.outputs)) for s in subs]
-        n_out = sum(counts)
-        logits = _buffer_rows(self._views, llama_cpp.llama_get_logits(o._ctx), n_out, o.n_vocab)
-        states = _buffer_rows(self._views, llama_cpp.llama_get_embeddings(o._ctx), n_out, o.n_embd) if hidden else None
-        row = 0
-        for s, k in zip(subs, counts):
-            s.logits = logits[row : row + k].copy()
-            if hidden and s.hidden:
-                s.states = states[row : row + k].copy()
-            row += k
-        return ran or tuple(lanes)
-
-    def _padded_lanes(self, subs: list[Submission], lanes: list[int]) -> tuple[int, ...] | None:
-        """The tokens each sequence runs, pads included, where padding makes the batch of `lanes` (tokens by sequence)
-        cheaper (subs sorted by sequence; an idle sequence below the last one may be padded too); None: no pads. A
-        slot is one sequence of this context (EnginePool sets price only so)."""
-        seqs = {s.lane for s in subs}
-        one_each = len(seqs) == len(subs) and all(len(ids) == 1 for s in subs for ids in s.seq_ids)  # chains, no trees
-        if self.price is None or len(seqs) < 2 or not one_each or self.owner.memory.recurrent:
-            return None  # (recurrent memory: removing a pad would be a second rollback, which llama.cpp refuses)
-        even = even_lanes(lanes, self.price, self.pad_max)
-        return None if even == tuple(lanes) else even
-
-
-def _buffer_rows(views: dict[tuple[int, int, int], np.ndarray], ptr, n_rows: int, width: int) -> np.ndarray:
-    """The first n_rows rows (of `width` floats) of llama.cpp's output buffer at `ptr`, as a read-only view kept in
-    `views` per address and shape: np.ctypeslib.as_array cost 30 us a call (docs/engine-overhead.md). The buffer at
-    that address holds at least the rows the last decode wrote."""
-    if not ptr:
-        raise GGUFSpecError("llama.cpp returned no outputs for this batch")
-    key = (ctypes.addressof(ptr.contents), n_rows, width)
-    rows = views.get(key)
-    if rows is None:
-        if len(views) > 64:
-            views.clear()
-        rows = views[key] = np.ctypeslib.as_array(ptr, shape=(n_rows, width))
-        rows.flags.writeable = False  # llama.cpp's buffer: readers only
-    return rows
-
-
 def prefill(d: Decoder, context: list[int]) -> None:
     """Decode `context` into d's cache, reusing its common prefix (an empty context empties it); on recurrent memory
     its end is kept as a point to go back to (a chat's next turn reuses the prompt at least)."""
@@ -1019,41 +433,3 @@ def prefill(d: Decoder, context: list[int]) -> None:
         d.hold(anchor=True)
     else:
         d.rollback_to(0)
-
-
-@dataclass
-class _Tree:
-    """Per-node depth and sequence ids of a tree given by parent indices; leaf j is sequence j+1."""
-
-    parents: list[int]
-    depth: list[int]
-    seq_ids: list[list[int]]
-    n_leaves: int
-    depth_max: int
-
-    @classmethod
-    def build(cls, parents: Sequence[int]) -> _Tree:
-        parents = [int(p) for p in parents]
-        n = len(parents)
-        if n == 0:
-            raise ValueError("a tree needs at least one node")
-        depth = [0] * n
-        for i, p in enumerate(parents):
-            if not -1 <= p < i:
-                raise ValueError(f"node {i} has parent {p}; parents must come before their children")
-            depth[i] = 0 if p < 0 else depth[p] + 1
-        has_child = [False] * n
-        for p in parents:
-            if p >= 0:
-                has_child[p] = True
-        seq_ids: list[list[int]] = [[] for _ in range(n)]
-        n_leaves = 0
-        for leaf in range(n):
-            if has_child[leaf]:
-                continue
-            n_leaves += 1
-            node = leaf
-            while node >= 0:
-                seq_ids[node].append(n_leaves)
-                node = parents[node]
-        return cls(parents, depth, seq_ids, n_leaves, max(depth))

@@ -214,7 +214,7 @@ def even_lanes(lanes: Sequence[int], seconds: Price, longest: int) -> tuple[int,
     them, run in several micro-batches, each priced near a pass of its own; padded, they run in one, which on a CPU
     costs far less than the passes' sum. Prompt chunks are not padded, nor idle sequences beside
     them: llama.cpp also cuts those at n_ubatch, which micro_batches does not price. The pads' outputs are not read
-    and their cells are removed after the batch (decoder._SharedContext), so no sequence's tokens change: each
+    and their cells are removed after the batch (shared_context.SharedContext), so no sequence's tokens change: each
     sequence's rows attend only to its own stream, its earlier tokens."""
     return _cheapest(lanes, seconds, longest)[0]
 

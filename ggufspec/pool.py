@@ -231,15 +231,15 @@ class EnginePool:
             self._closed = True
             self._free.notify_all()
         # the last slot's reference would free each shared context: free them now rather than at collection
-        runners = [getattr(d, "_runner", None) for d in (self.engine.target, self.engine.draft)]  # None: own context
-        owners = [r.owner for r in runners if r is not None]
+        shared = [getattr(d, "shared_context", None) for d in (self.engine.target, self.engine.draft)]  # None: own
         mtp = self.engine.mtp
         for s in self.slots:
             s.engine.close()
         if mtp is not None:  # before the target's weights
             mtp.close_shared()
-        for owner in owners:
-            owner.close()
+        for context in shared:
+            if context is not None:
+                context.close()
 
     def __enter__(self) -> EnginePool:
         return self
