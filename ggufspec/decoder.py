@@ -21,7 +21,7 @@ import llama_cpp
 import numpy as np
 
 from . import kv_cache, rpc
-from .access import ABORTABLE_BATCH, OwnAccess, SlotAccess  # noqa: F401  (ABORTABLE_BATCH: decoder's name too)
+from .access import OwnAccess, SlotAccess
 from .llama_context import Context, default_threads
 from .errors import GGUFSpecError
 from .gguf_check import read_header
@@ -30,7 +30,7 @@ from .machine_cache import notice
 from .memory import check_memory
 from .model import LlamaModel
 from .recurrent import MemoryKind, memory_kind
-from .sequence import REDECODE_NOW, KvSequence  # noqa: F401  (REDECODE_NOW: decoder's name too)
+from .sequence import KvSequence
 from .shared_context import SharedContext
 from .tree_decoding import TreeDecoding
 from .waiting import waiting
