@@ -872,6 +872,27 @@ def test_the_draft_model_is_not_started_where_its_catch_up_cannot_pay(tiny_draft
         assert auto.source is auto.model_length and d.n_decodes > 0
 
 
+def test_a_probe_catches_up_only_where_the_tokens_left_can_afford_it(tiny_draft) -> None:
+    """A probe's catching up is what exploring costs: at most a tenth of the plain steps left (and less than those
+    between two probes). After a long prompt, a short answer is not made to pay the drafter's catch-up for a probe
+    (docs/mtp.md: the MTP head caught up for a probe on a RAG prompt, 0.93x autoregressive); a long one is."""
+    greedy, rng = SamplingParams(), np.random.default_rng(0)
+    fast = CostModel([0.082, 0.138, 0.194, 0.131], 0.012)  # where the draft model pays
+    with open_decoder(tiny_draft) as d:
+        auto = AutoPolicy(fast, 3, model=True)
+        proposers = begin(auto, LookupProposer(d.n_vocab), DraftModelProposer(d, d.n_vocab, greedy, rng))
+        auto.model_length.acceptance = [0.2] * 3
+        assert auto.model_length.planned() == 0  # off: only probes draft
+        context = list(range(10, 90))  # 80 unseen tokens at 12 ms: less than 16 plain steps (1.3 s)
+        for room, probes in ((64, False), (500, True)):  # a tenth of 64 plain steps: 0.5 s; of 128: 1.05 s
+            ran = []
+            for _ in range(PROBE_EVERY):
+                plan, draft = step(auto, proposers, context, 3, room=room)
+                ran.append(plan.source)
+                judge(auto, plan, draft, 0)
+            assert ("draft" in ran) == probes and (d.n_decodes > 0) == probes, (room, ran)
+
+
 def test_greedy_draft_trees_follow_the_draft_while_it_is_confident(tiny_draft) -> None:
     """The chain goes on while the draft gives it >= reach_min; the nodes left go to its likeliest runner-ups."""
     greedy, context = SamplingParams(), [1, 17, 29, 301, 5]

@@ -18,6 +18,10 @@ from .tree_sizer import TreeSizer
 # estimate near break-even may turn drafting off again within as many steps, and the next start catches up again.
 # docs/methods.md#measured-constants: CATCH_UP_HORIZON
 CATCH_UP_HORIZON = PROBE_EVERY_MAX
+# A probe's catching up is what exploring costs: at most this share of the plain steps left (up to CATCH_UP_HORIZON),
+# so that a probe after a long prompt does not cost a short answer more than it could win back.
+# docs/methods.md#measured-constants: PROBE_CATCH_UP_SHARE
+PROBE_CATCH_UP_SHARE = 0.1
 MTP_MEMORY = 0.8  # the MTP head's record: each judged guess moves it 20% of the way (other records: 5%)
 SOURCE_NAMES = {"draft": "draft model", "lookup": "lookup", "medusa": "Medusa tree", "mtp": "MTP head"}  # decision()
 MODEL_NAMES = {"draft": "the draft model", "mtp": "the MTP head"}  # the drafting models, as decision() says them
@@ -321,15 +325,16 @@ class AutoPolicy:
         """A drafting model (`proposer`, its record `m`) is not started where catching up on the context it has not seen
         (charged at costs.catch_up a token: a draft model's step, an upper bound; the MTP head's share of a catch-up
         batch) would cost more than drafting can win back: the time its expected gain saves on the
-        tokens left (`room`, at most CATCH_UP_HORIZON), or for a probe, the plain steps between two probes. After a
+        tokens left (`room`, at most CATCH_UP_HORIZON), or for a probe, the plain steps between two probes and
+        PROBE_CATCH_UP_SHARE of the plain steps left. After a
         long prompt the draft was not prefilled for, a catch-up takes seconds, more than those steps can win back; in
         a busy pool it is a tick every slot waits on (docs/methods.md#measured-constants: CATCH_UP_HORIZON). `k`: the
         model's planned length."""
         cost = proposer.unseen(context) * m.costs.catch_up
         if not cost:
             return True
-        if not k:  # a probe, if any
-            return cost <= m.probe_every * m.costs.verify[0]
+        if not k:  # a probe, if any: less than the plain steps between two probes, and a share of those left
+            return cost <= min(m.probe_every, PROBE_CATCH_UP_SHARE * min(room, CATCH_UP_HORIZON)) * m.costs.verify[0]
         rate = m.costs.expected_rate  # tokens a second: the whole batch's, where other slots share it
         saved = min(room, CATCH_UP_HORIZON) * (1 / rate(0, 0) - 1 / rate(k, m.acceptance))
         return cost <= saved
