@@ -26,8 +26,7 @@ from .mtp import MtpDecoder, mtp_layers, unavailable as mtp_unavailable
 from .loop import generate_steps
 from .methods import Method, get_method
 from .policy import Policy, TreeSizer
-from .policy.adaptive import AdaptiveLength
-from .policy.auto import AutoPolicy
+from .policy.auto import AutoPolicy, SlotRecords
 from .proposers import PROPOSERS, AnswerPool, Proposer, Setup
 from .recurrent import SNAPSHOTS_MAX
 from .pairing import check_pair
@@ -49,7 +48,10 @@ class SpeculativeEngine:
     def __init__(
         self, target: LlamaCppDecoder, draft: LlamaCppDecoder | None = None,
         settings: GenerationSettings | None = None, costs: CostModel | None = None, mtp: MtpDecoder | None = None,
+        answers: AnswerPool | None = None, slot_records: SlotRecords | None = None,
     ) -> None:
+        """`answers`: what earlier generations answered, for `auto`'s lookup (EnginePool: one for every slot; a new one
+        when None); `slot_records`: the pool's slots' drafter records, which `auto` prices a shared batch with."""
         self.target = target
         self.draft = draft
         self.mtp = mtp
@@ -63,10 +65,8 @@ class SpeculativeEngine:
         self.costs = costs  # the cost model `auto` prices steps with: measured at its first run when None
         self._auto: dict[tuple[bool, bool], AutoPolicy] = {}  # with and without a draft model, an MTP head: kept
         self._sizers: dict[tuple, TreeSizer] = {}  # Medusa's, per tree
-        self.answers: AnswerPool | None = AnswerPool()  # what it generated, for `auto`'s lookup (EnginePool: shared)
-        # EnginePool: its slots' draft-model records, by lane (AutoPolicy.slot_records)
-        self.slot_records: dict[int, AdaptiveLength] | None = None
-        self.mtp_records: dict[int, AdaptiveLength] | None = None  # ...and of their MTP heads
+        self.answers: AnswerPool | None = answers if answers is not None else AnswerPool()
+        self.slot_records = slot_records
         self._lock = threading.Lock()
         self._closed = False
 
@@ -363,10 +363,10 @@ class SpeculativeEngine:
             self.costs = cached_measure(self.target, self.draft if model else None, s.draft_max,
                                         mtp=self.mtp if mtp else None)
         auto = self._auto.get((model, mtp))
-        if auto is None or auto.k_max != s.draft_max or auto.costs is not self.costs:
-            auto = self._auto[model, mtp] = AutoPolicy(self.costs, s.draft_max, model, mtp=mtp)
-        auto.sizer, auto.peers, auto.slot_records = sizer, self.target.peers, self.slot_records
-        auto.mtp_records = self.mtp_records
+        if auto is None or auto.k_max != s.draft_max or auto.costs is not self.costs or auto.sizer is not sizer:
+            target = self.target
+            auto = self._auto[model, mtp] = AutoPolicy(self.costs, s.draft_max, model, sizer, mtp, self.slot_records,
+                                                       peers=lambda: target.peers)
         return auto
 
     def reset(self) -> None:

@@ -22,7 +22,8 @@ from .engine import GenerationResponse, GenerationSettings, Prompt, SpeculativeE
 from .errors import GGUFSpecError
 from .lockstep import Lockstep
 from .mtp import MtpDecoder
-from .policy.adaptive import AdaptiveLength
+from .pairing import check_pair
+from .policy.auto import SlotRecords
 from .proposers import AnswerPool
 
 T = TypeVar("T")
@@ -61,6 +62,25 @@ def _off_this_thread(work: Callable[[], T]) -> T:
     if not ok:
         raise value
     return value
+
+
+def _measure(lockstep: Lockstep, targets: list[LlamaCppDecoder], drafts: list, mtps: list, draft_max: int) -> CostModel:
+    """The cost model of a pool of len(targets) slots: one slot's batches (cached_measure), and where there are
+    several, the batches the slots run together."""
+    parallel = len(targets)
+    # also the batches of every slot's token and of two each (a plain step and one draft each), the sizes a pool's
+    # steps run: interpolated between measured sizes their price is off (the curve is not smooth), and what their
+    # batches taught would bend a neighbouring size's price
+    sizes = sorted({*LONG_BATCHES, parallel, 2 * parallel})
+    costs = cached_measure(targets[0], drafts[0], draft_max, sizes, mtp=mtps[0])
+    if parallel > 1:  # and as the slots run them: 1 to 3 tokens of every slot, and the draft model's batch of every
+        # slot's draft token (SharedBatch prices following slots so)
+        costs = replace(costs, slots=parallel, slot_verify=measure_together(lockstep, targets, SLOT_WIDTHS))
+        if drafts[0] is not None:
+            costs.draft_sizes, costs.draft_batches = [parallel], measure_together(lockstep, drafts, (1,))
+        if mtps[0] is not None:  # every slot's MTP step in one batch
+            costs.mtp_sizes, costs.mtp_batches = [parallel], measure_together(lockstep, mtps, (1,))
+    return costs
 
 
 class EnginePool:
@@ -105,28 +125,15 @@ class EnginePool:
                                             leads=True) if draft_path else [None] * parallel)
         # the target's MTP head: every slot's in one shared context, whose batches lead as the draft model's
         mtps = MtpDecoder.slots(targets, lockstep) if options.mtp and not options.remote else [None] * parallel
-        engines = [SpeculativeEngine(t, d, settings, costs, m) for t, d, m in zip(targets, drafts, mtps)]
+        if drafts[0] is not None:  # a pair that cannot draft is refused before anything is measured
+            check_pair(targets[0], drafts[0])
+        if costs is None:  # measured by one slot alone, now: later, the other slots' batches would ride along
+            costs = _measure(lockstep, targets, drafts, mtps, settings.draft_max)
         answers = AnswerPool()  # one for every slot: an answer in one slot drafts for the next request in any
-        records: dict[int, AdaptiveLength] = {}  # every slot's draft-model record by lane: following slots price all
-        mtp_records: dict[int, AdaptiveLength] = {}  # ...and their MTP heads' records
+        records = SlotRecords()  # every slot's drafters' records by lane: following slots price all
+        engines = [SpeculativeEngine(t, d, settings, costs, m, answers, records) for t, d, m in zip(targets, drafts, mtps)]
         for e in engines:
             e.load_heads(medusa_path, medusa_vocab)
-            e.answers, e.slot_records, e.mtp_records = answers, records, mtp_records
-        if costs is None:  # measured by one slot alone, now: later, the other slots' batches would ride along
-            # also the batches of every slot's token and of two each (a plain step and one draft each), the sizes
-            # a pool's steps run: interpolated between measured sizes their price is off (the curve is not smooth),
-            # and what their batches taught would bend a neighbouring size's price
-            sizes = sorted({*LONG_BATCHES, parallel, 2 * parallel})
-            costs = cached_measure(targets[0], drafts[0], settings.draft_max, sizes, mtp=mtps[0])
-            if parallel > 1:  # and as the slots run them: 1 to 3 tokens of every slot, and the draft model's batch
-                # of every slot's draft token (SharedBatch prices following slots so)
-                costs = replace(costs, slots=parallel, slot_verify=measure_together(lockstep, targets, SLOT_WIDTHS))
-                if drafts[0] is not None:
-                    costs.draft_sizes, costs.draft_batches = [parallel], measure_together(lockstep, drafts, (1,))
-                if mtps[0] is not None:  # every slot's MTP step in one batch
-                    costs.mtp_sizes, costs.mtp_batches = [parallel], measure_together(lockstep, mtps, (1,))
-            for e in engines:
-                e.costs = costs
         if parallel > 1:  # the target's uneven chains are padded to one length where that costs less
             targets[0].pad_chains(costs.micro_seconds, settings.draft_max + 1)
         return cls([Slot(i, e) for i, e in enumerate(engines)], lockstep)

@@ -16,7 +16,7 @@ from ggufspec.lockstep import even_lanes, micro_batches, micro_shapes
 from ggufspec.policy import PLAIN, Plan, Timing
 from ggufspec.policy.adaptive import (MIN_GAIN, PHRASE_MATCH, PROBE_EVERY, PROBE_GAIN, SHARED_GAIN,
                                       AdaptiveLength)
-from ggufspec.policy.auto import AutoPolicy
+from ggufspec.policy.auto import AutoPolicy, SlotRecords
 from ggufspec.policy.tree_sizer import TreeSizer
 from ggufspec.proposers import NO_DRAFT, Context, Draft, Proposer
 from ggufspec.proposers.draft_model import DraftModelProposer
@@ -333,14 +333,13 @@ XEON_LONG = CostModel([0.0856, 0.1301, 0.1721, 0.1190, 0.1584], 0.0103, [16, 32,
 def test_a_generation_joining_busy_slots_warms_the_draft_only_where_drafting_pays_beside_them(tiny_draft) -> None:
     """Alone, the draft model pays on this CPU, so it prefills the prompt; beside 7 slots on plain steps a chain
     runs as a micro-batch of its own and does not pay, so the prefill (a tick every slot waits for) is skipped."""
-    alone, beside = AutoPolicy(XEON_LONG, 4, model=True), AutoPolicy(XEON_LONG, 4, model=True)
-    beside.peers = 7
+    alone, beside = AutoPolicy(XEON_LONG, 4, model=True), AutoPolicy(XEON_LONG, 4, model=True, peers=lambda: 7)
     with open_decoder(tiny_draft) as d:
         proposers = {"lookup": LookupProposer(d.n_vocab),
                      "draft": DraftModelProposer(d, d.n_vocab, SamplingParams(), np.random.default_rng(0))}
         assert alone.begin([1, 2, 3], proposers) == {"draft"}
         assert beside.begin([1, 2, 3], proposers) == set()
-    assert alone.lanes == () and beside.lanes == (1,) * 8
+    assert alone.lanes == () and beside.lanes == (1,) * 8 and beside.peers == 7
     assert beside.model_length.costs.others == 7  # its first steps are priced in that batch too
 
 
@@ -408,13 +407,12 @@ def test_following_slots_price_what_each_slot_s_drafts_keep() -> None:
     idle = SharedBatch(pool, [1, 1, 0, 1], lane=0, follow=True, fellows={1: theirs, 2: mine, 3: theirs})
     assert idle.rate(1, 1.94) == pytest.approx((1.94 + 2 * 1.6) / idle.step_seconds(1))
     # through the slots' policies: each registers its record where the others price it, so all 8 choose alike
-    records: dict = {}
-    slots = [AutoPolicy(pool, 4, model=True) for _ in range(8)]
+    records = SlotRecords()
+    slots = [AutoPolicy(pool, 4, model=True, slot_records=records) for _ in range(8)]
     for lane, auto in enumerate(slots):
-        auto.slot_records = records
         auto.model_length.acceptance = list(mine if lane == 6 else theirs)
         auto.observe(PLAIN, NO_DRAFT, Verdict([0], 0, 0.22, 8, 0, shared=8, lanes=(1,) * 8, lane=lane), None)
-    assert records == {lane: auto.model_length for lane, auto in enumerate(slots)}
+    assert records.draft == {lane: auto.model_length for lane, auto in enumerate(slots)} and records.mtp == {}
     for auto in slots:
         auto.price_at(10)
     assert [auto.model_length.planned() for auto in slots] == [0] * 8
@@ -630,8 +628,9 @@ def test_auto_uses_lookup_where_the_draft_model_cannot_pay(tiny_target, tiny_dra
         plan, draft = step(auto, proposers, repeat, 3)
         assert plan == Plan("lookup", 3) and draft.tokens == [5, 6, 7] and auto.source is auto.lookup_length
         judge(auto, plan, draft, 0)
-        # no earlier match: the draft model, which cannot pay here, is not run; a plain step
-        plan, draft = step(auto, proposers, [11, 12, 13, 14], 3)
+        # no earlier match: the draft model, which cannot pay here, is not run; a plain step (timed by its record,
+        # whose probe could afford to catch up on these 4 tokens with 100 left to generate)
+        plan, draft = step(auto, proposers, [11, 12, 13, 14], 3, room=100)
         assert plan == PLAIN and draft == Draft([])
         assert auto.source is auto.model_length and d.n_decodes == 0
         judge(auto, plan, draft, 0)

@@ -4,6 +4,9 @@ it to commit the most tokens a second."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
 from ..costs import ContextCosts, CostModel, MtpPrices, SharedBatch
 from ..decoder import SLOT_CHUNK
 from ..history import common_prefix
@@ -27,6 +30,15 @@ SOURCE_NAMES = {"draft": "draft model", "lookup": "lookup", "medusa": "Medusa tr
 MODEL_NAMES = {"draft": "the draft model", "mtp": "the MTP head"}  # the drafting models, as decision() says them
 
 
+@dataclass
+class SlotRecords:
+    """A pool's slots' drafting-model records by lane, each slot's policy registering its own (AutoPolicy.observe):
+    a slot prices the batch it shares by what each other slot's drafter keeps (SharedBatch)."""
+
+    draft: dict[int, AdaptiveLength] = field(default_factory=dict)  # the draft model's
+    mtp: dict[int, AdaptiveLength] = field(default_factory=dict)  # the MTP heads'
+
+
 class AutoPolicy:
     """Lookup's guess when verifying it pays (priced by how far back its match reaches: a chance n-gram, a phrase said
     again or a copy starting, a copy), else the drafting model (the draft model, or the target's MTP head: `mtp`) whose
@@ -39,7 +51,10 @@ class AutoPolicy:
     """
 
     def __init__(self, costs: CostModel, k_max: int, model: bool, sizer: TreeSizer | None = None,
-                 mtp: bool = False) -> None:
+                 mtp: bool = False, slot_records: SlotRecords | None = None,
+                 peers: Callable[[], int] = lambda: 0) -> None:
+        """`sizer`: Medusa's tree sizer (its heads draft too); `mtp`: the target's MTP head drafts; `slot_records`:
+        a pool's, shared by its slots' policies; `peers`: how many other slots generate now (read at begin)."""
         self.k_max, self.sizer = k_max, sizer
         self.context_costs = ContextCosts(costs)
         # each kind of lookup match keeps its own record: a copy's guesses are kept far more often than a chance
@@ -66,11 +81,9 @@ class AutoPolicy:
         # per batch while other slots share it
         self.lanes: tuple[int, ...] = ()
         self.lane = 0
-        self.peers = 0  # other slots generating when this generation begins (set by the engine before begin)
-        # a pool's slots' draft-model records by lane, this one's too (set by the engine: shared by the pool's slots):
-        # following slots price what each of them keeps (SharedBatch)
-        self.slot_records: dict[int, AdaptiveLength] | None = None
-        self.mtp_records: dict[int, AdaptiveLength] | None = None  # ...and their MTP heads' records, likewise
+        self._peers = peers
+        self.peers = 0  # other slots generating when this generation began
+        self.slot_records = slot_records
         self._mtp_prices: dict[int, MtpPrices] = {}  # a view per cost model (ContextCosts keeps them)
         # this generation's steps by what drafted them (None: plain), and the steps lookup had a guess at: decision()
         self.steps: dict[str | None, int] = {}
@@ -95,7 +108,9 @@ class AutoPolicy:
 
     def models(self) -> list[tuple[str, AdaptiveLength, dict[int, AdaptiveLength] | None]]:
         """The drafting models: (source name, record, the pool's records of its slots by lane)."""
-        out = [("draft", self.model_length, self.slot_records), ("mtp", self.mtp_length, self.mtp_records)]
+        pool = self.slot_records
+        out = [("draft", self.model_length, pool.draft if pool else None),
+               ("mtp", self.mtp_length, pool.mtp if pool else None)]
         return [m for m in out if m[1] is not None]
 
     def _prices(self, record: AdaptiveLength, costs: CostModel) -> CostModel | MtpPrices:
@@ -155,6 +170,7 @@ class AutoPolicy:
         self._unverified.clear()
         self.source = self._proposed = None
         self.steps, self.guessed = {}, 0
+        self.peers = self._peers()
         self.lanes, self.lane = ((1,) * (1 + self.peers), 0) if self.peers else ((), 0)
         self.price_at(len(prompt) + 1)
         return {name for name, record, _ in self.models() if self._proposer(name) is not None and record.planned() > 0}
