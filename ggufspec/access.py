@@ -15,7 +15,7 @@ from typing import Protocol
 import numpy as np
 
 from .llama_context import Context, opened
-from .lockstep import Lockstep, Submission
+from .lockstep import NO_BATCH, BatchShape, Lockstep, Submission
 from .shared_context import SharedContext
 
 # Batches of more tokens than this (prefills) run with llama_log.abort_check, so that Ctrl-C stops them between
@@ -32,13 +32,12 @@ class Access(Protocol):
     seq: int
     lockstep: Lockstep | None
     runner: SharedContext | None
-    # the Decoder clocks of its decodes, only growing; a slot's last batch's shape and number
+    # the Decoder clocks of its decodes, only growing; a slot's last batch's shape
     decode_seconds: float
     n_decodes: int
     n_decoded_tokens: int
     n_batched_tokens: int
-    lanes: tuple[int, ...]
-    tick: int
+    last_batch: BatchShape
 
     def chain(self, tokens: Sequence[int], start: int, all_logits: bool, hidden: bool) -> int:
         """Decode `tokens` at positions start.. of the history's sequence, with rows for every token (all_logits) or
@@ -76,8 +75,7 @@ class OwnAccess:
 
     seq = 0
     lockstep = runner = None
-    lanes: tuple[int, ...] = ()
-    tick = -1
+    last_batch = NO_BATCH
 
     def __init__(self, context: Context) -> None:
         self.context: Context | None = context
@@ -142,8 +140,7 @@ class SlotAccess:
         self.lockstep, self.seq, self.span = lockstep, seq, span
         self.decode_seconds = 0.0
         self.n_decodes = self.n_decoded_tokens = self.n_batched_tokens = 0
-        self.lanes: tuple[int, ...] = ()
-        self.tick = -1
+        self.last_batch = NO_BATCH
         self._sub: Submission | None = None  # the last decode, with its copied rows
 
     def chain(self, tokens: Sequence[int], start: int, all_logits: bool, hidden: bool) -> int:
@@ -164,8 +161,8 @@ class SlotAccess:
             self.decode_seconds += sub.seconds
             self.n_decodes += 1
             self.n_decoded_tokens += len(tokens)
-            self.n_batched_tokens += sub.batch
-            self.lanes, self.tick = sub.lanes, sub.tick
+            self.n_batched_tokens += sub.shape.tokens
+            self.last_batch = sub.shape
         self._sub = sub
         return sub.rc
 

@@ -25,7 +25,7 @@ from .access import OwnAccess, SlotAccess
 from .llama_context import Context, default_threads
 from .errors import GGUFSpecError
 from .gguf_check import read_header
-from .lockstep import Lockstep, Price
+from .lockstep import BatchShape, Lockstep, Price
 from .machine_cache import notice
 from .memory import check_memory
 from .model import LlamaModel
@@ -47,11 +47,10 @@ class Decoder(Protocol):
     n_decodes: int
     n_decoded_tokens: int
     n_batched_tokens: int  # tokens of the whole batches those decodes ran in (other slots' too, in a shared context)
-    # a slot of a shared context: its last decode's whole batch, tokens per sequence id (lockstep.Submission.lanes),
-    # and its own sequence id there; () and 0 on a context of its own
-    lanes: tuple[int, ...]
+    # a slot of a shared context: its last decode's whole batch (tokens per sequence id, its tick), and its own
+    # sequence id there; lockstep.NO_BATCH and 0 on a context of its own
+    last_batch: BatchShape
     lane: int
-    tick: int  # a slot's last decode's batch number (lockstep.Submission.tick), -1 on a context of its own
     peers: int  # a slot's: the other slots generating in its context now
     n_deferred: int  # the history's last tokens not in the memory yet: the next feed decodes them in front
 

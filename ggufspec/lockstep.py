@@ -27,6 +27,28 @@ from typing import Protocol
 import numpy as np
 
 
+@dataclass(frozen=True)
+class BatchShape:
+    """A shared context's batch as llama.cpp ran it: the tokens of each sequence id (`lanes`, pads included) and its
+    number among the lockstep's ticks (`tick`: every member's the same, so the batch is learned from once). The
+    empty shape (NO_BATCH) is a context's own, with no other slot in it."""
+
+    lanes: tuple[int, ...] = ()
+    tick: int = -1
+
+    @property
+    def tokens(self) -> int:
+        """Every sequence's tokens, pads included."""
+        return sum(self.lanes)
+
+    def passes(self) -> list[tuple[int, int]]:
+        """The micro-batches llama.cpp ran it in, as (sequences, tokens of each) (micro_shapes)."""
+        return micro_shapes(self.lanes)
+
+
+NO_BATCH = BatchShape()
+
+
 @dataclass
 class Submission:
     """One view's part of a batch: n tokens, each at its position in its sequences; rows for those with `outputs`."""
@@ -47,10 +69,8 @@ class Submission:
     # those with `outputs`
     nextn: np.ndarray | None = None
     seconds: float = 0.0  # the whole batch's decode time
-    batch: int = 0  # tokens in the whole batch, every member's
+    shape: BatchShape = NO_BATCH  # the whole batch's: (max lane + 1,) tokens per member's lane, and its tick
     done: bool = False  # its batch has run
-    lanes: tuple[int, ...] = ()  # (max lane + 1,) the whole batch's tokens per member's lane, pads included
-    tick: int = -1  # the batch's number (Lockstep.n_ticks as it ran): every member's the same, so it is learned once
 
 
 class LockstepSlot:
@@ -181,7 +201,7 @@ class Lockstep:
                         seconds = time.perf_counter() - t0
                         self.decode_seconds += seconds
                         for s in subs:
-                            s.seconds, s.batch, s.lanes, s.tick = seconds, sum(shape), shape, self.n_ticks
+                            s.seconds, s.shape = seconds, BatchShape(shape, self.n_ticks)
                     self.n_ticks += 1
                 finally:
                     for _, subs in running.values():

@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from copy import copy
 
-from .lockstep import micro_shapes
 from .policy import Policy, Timing
 from .proposers import NO_DRAFT, Context, Counters, Proposer
 from .verifier import Verdict, Verifier
@@ -46,13 +45,13 @@ def generate_steps(
 def _timing(verdict: Verdict, after: Counters | None, before: Counters | None) -> Timing:
     """What a step cost: the verifier's pass (the whole batch it rode in: its seconds are that batch's), and the
     proposer's work between its counters before and after."""
-    batch = max(verdict.shared, verdict.batch)
-    shapes = micro_shapes(verdict.lanes) if verdict.lanes else [(1, batch)]  # a context of its own: one pass
+    batch = max(verdict.batched, verdict.batch)
+    shapes = verdict.shape.passes() if verdict.shape.lanes else [(1, batch)]  # a context of its own: one pass
     passes, seqs = len(shapes), shapes[0][0] if shapes else 1
     split = tuple(shapes) if passes > 1 else ()
     if after is None or before is None:
         return Timing(verdict.seconds, batch, verify_passes=passes, verify_seqs=seqs, verify_shapes=split,
-                      verify_tick=verdict.tick)
+                      verify_tick=verdict.shape.tick)
     decodes = after.decodes - before.decodes
     return Timing(verdict.seconds, batch, after.seconds - before.seconds, decodes, after.decoded - before.decoded,
-                  passes, after.batched - before.batched, seqs, split, verdict.tick, after.tick if decodes else -1)
+                  passes, after.batched - before.batched, seqs, split, verdict.shape.tick, after.tick if decodes else -1)

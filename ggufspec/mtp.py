@@ -34,7 +34,7 @@ import numpy as np
 
 from .errors import ContextLengthError, GGUFSpecError
 from .history import common_prefix
-from .lockstep import Lockstep, LockstepSlot, Submission
+from .lockstep import NO_BATCH, Lockstep, LockstepSlot, Submission
 
 if TYPE_CHECKING:
     from .decoder import LlamaCppDecoder
@@ -296,8 +296,7 @@ class MtpDecoder(LockstepSlot):
         self._own: tuple[int, np.ndarray] | None = None  # (position, the head's row there): the last token it fed
         self.decode_seconds = 0.0
         self.n_decodes = self.n_decoded_tokens = self.n_batched_tokens = 0
-        self.lanes: tuple[int, ...] = ()
-        self.tick = -1
+        self.last_batch = NO_BATCH  # a slot's last decode's whole batch (lockstep.BatchShape)
 
     @classmethod
     def open(cls, target: LlamaCppDecoder) -> MtpDecoder:
@@ -364,8 +363,8 @@ class MtpDecoder(LockstepSlot):
             sub = Submission(tokens, positions, [[self._seq]] * n, outputs, lane=self._seq, embd=rows)
             self._lockstep.submit(self._runner, sub)
             self.decode_seconds += sub.seconds
-            self.n_batched_tokens += sub.batch
-            self.lanes, self.tick, rc = sub.lanes, sub.tick, sub.rc
+            self.n_batched_tokens += sub.shape.tokens
+            self.last_batch, rc = sub.shape, sub.rc
             logits, own = sub.logits, (sub.nextn[-1] if sub.rc == 0 else None)
         else:
             self._batch.fill(tokens, positions, [0] * n, rows, outputs)

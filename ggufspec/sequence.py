@@ -39,8 +39,7 @@ class KvSequence(LockstepSlot):
     n_decodes = _clock("n_decodes")
     n_decoded_tokens = _clock("n_decoded_tokens")
     n_batched_tokens = _clock("n_batched_tokens")
-    lanes = _clock("lanes")
-    tick = _clock("tick")
+    last_batch = _clock("last_batch")
 
     def __init__(self, access: Access, options: DecoderOptions, n_ctx: int) -> None:
         context = access.context

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .decoder import Decoder, prefill
+from .lockstep import NO_BATCH, BatchShape
 from .proposers import Draft
 from .sampling import SamplingParams, argmax, pick, probabilities, sample, suppress
 from .trees import Tree, residual, walk
@@ -33,10 +34,9 @@ class Verdict:
     batch: int  # tokens the target decoded: the draft, its root, and deferred tokens riding in front
     deferred: int  # committed tokens left out of the KV cache: the next pass decodes them in front of its batch
     hidden: np.ndarray | None = None  # (H,) with hidden states on: the target's state at the row that picked tokens[-1]
-    shared: int = 0  # tokens of the whole batches `seconds` timed: `batch`, plus other slots' in a shared context
-    lanes: tuple[int, ...] = ()  # a shared context's batch: tokens per sequence id (lockstep.Submission.lanes)
-    lane: int = 0  # this pass's sequence id in `lanes`
-    tick: int = -1  # a shared context's batch: its number, the same in every slot's verdict (lockstep.Submission.tick)
+    batched: int = 0  # tokens of the whole batches `seconds` timed: `batch`, plus other slots' in a shared context
+    shape: BatchShape = NO_BATCH  # a shared context's batch as it ran (tokens per sequence id, its tick)
+    lane: int = 0  # this pass's sequence id in the shape's lanes
 
     @property
     def kept(self) -> int:
@@ -151,7 +151,7 @@ class Verifier:
         if draft.tree is not None:
             self.deferred = t.commit_tree_path(path)
         return Verdict(tokens, draft.depth, t.decode_seconds - seconds, t.n_decoded_tokens - decoded, self.deferred,
-                       hidden, t.n_batched_tokens - batched, t.lanes, t.lane, t.tick)
+                       hidden, t.n_batched_tokens - batched, t.last_batch, t.lane)
 
     def _chain(self, last: int, draft: Draft) -> list[int]:
         t, params, drafts = self.target, self.params, draft.tokens

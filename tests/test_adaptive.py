@@ -12,7 +12,7 @@ import pytest
 import ggufspec.costs.cache as costs_module  # where cached_measure looks up measure() and machine()
 from ggufspec.costs import ContextCosts, CostModel, SharedBatch, measure
 from ggufspec.decoder import SLOT_CHUNK
-from ggufspec.lockstep import even_lanes, micro_batches, micro_shapes
+from ggufspec.lockstep import BatchShape, even_lanes, micro_batches, micro_shapes
 from ggufspec.policy import PLAIN, Plan, Timing
 from ggufspec.policy.adaptive import (MIN_GAIN, PHRASE_MATCH, PROBE_EVERY, PROBE_GAIN, SHARED_GAIN,
                                       AdaptiveLength)
@@ -411,7 +411,7 @@ def test_following_slots_price_what_each_slot_s_drafts_keep() -> None:
     slots = [AutoPolicy(pool, 4, model=True, slot_records=records) for _ in range(8)]
     for lane, auto in enumerate(slots):
         auto.model_length.acceptance = list(mine if lane == 6 else theirs)
-        auto.observe(PLAIN, NO_DRAFT, Verdict([0], 0, 0.22, 8, 0, shared=8, lanes=(1,) * 8, lane=lane), None)
+        auto.observe(PLAIN, NO_DRAFT, Verdict([0], 0, 0.22, 8, 0, batched=8, shape=BatchShape((1,) * 8), lane=lane), None)
     assert records.draft == {lane: auto.model_length for lane, auto in enumerate(slots)} and records.mtp == {}
     for auto in slots:
         auto.price_at(10)
@@ -508,11 +508,11 @@ def test_a_shared_tick_is_learned_once_however_many_slots_report_it() -> None:
     slots = [AutoPolicy(pool, 4, model=True) for _ in range(8)]
     for lane, auto in enumerate(slots):  # tick 5: all 8 slots' plain tokens, 626 ms
         auto.source = auto.model_length
-        auto.observe(PLAIN, NO_DRAFT, Verdict([0], 0, 0.626, 1, 0, shared=8, lanes=(1,) * 8, lane=lane, tick=5),
+        auto.observe(PLAIN, NO_DRAFT, Verdict([0], 0, 0.626, 1, 0, batched=8, shape=BatchShape((1,) * 8, 5), lane=lane),
                      Timing(0.626, 8, verify_seqs=8, verify_tick=5))
     assert pool.slot_verify[0] == pytest.approx(0.29 * (0.626 / 0.29) ** 0.2)  # one step of 0.2, not eight
     assert pool.slot_verify[1] / pool.slot_verify[0] == pytest.approx(0.40 / 0.29)  # its chains alike
-    slots[0].observe(PLAIN, NO_DRAFT, Verdict([0], 0, 0.29, 1, 0, shared=8, lanes=(1,) * 8, lane=0, tick=6),
+    slots[0].observe(PLAIN, NO_DRAFT, Verdict([0], 0, 0.29, 1, 0, batched=8, shape=BatchShape((1,) * 8, 6), lane=0),
                      Timing(0.29, 8, verify_seqs=8, verify_tick=6))  # the next tick teaches again
     assert pool.slot_verify[0] == pytest.approx(0.29 * (0.626 / 0.29) ** 0.16)
     before = pool.draft_seconds(8)

@@ -168,8 +168,8 @@ def test_each_slot_sees_its_shared_batch_per_sequence(tiny_target) -> None:
         t.start()
     for t in threads:
         t.join(30)
-    assert a.lanes == c.lanes == (1, 0, 3)
-    assert a.tick == c.tick == 2 and b.tick == -1  # the third batch (after a's and c's syncs): the cost model learns
+    assert a.last_batch.lanes == c.last_batch.lanes == (1, 0, 3)
+    assert a.last_batch.tick == c.last_batch.tick == 2 and b.last_batch.tick == -1  # the third batch (after a's and c's syncs): the cost model learns
     assert (a.lane, b.lane, c.lane) == (0, 1, 2)   # it once, whichever slot reports it first (CostModel.observe)
     assert a.n_batched_tokens - 8 == 4  # after its 8-token sync alone
     for d in (a, b, c):
@@ -184,11 +184,11 @@ def test_a_lone_slots_tree_is_a_batch_of_its_own(tiny_target) -> None:
     slot.sync(list(range(10, 18)))
     with lockstep.member():
         slot.tree_logits([5, 6, 7, 8], [-1, 0, 0, 1])  # a root, two children, a grandchild: 2 leaves
-    assert (slot.lanes, slot.lane) == ((4,), 0)
+    assert (slot.last_batch.lanes, slot.lane) == ((4,), 0)
     deferred = slot.commit_tree_path([0, 2])  # a runner-up kept: its token rides in front of the next batch
     with lockstep.member():
         slot.feed([9])
-    assert (deferred, slot.lanes) == (1, (2,))
+    assert (deferred, slot.last_batch.lanes) == (1, (2,))
     slot.close()
 
 
@@ -251,9 +251,9 @@ def test_slots_verify_together_after_drafting(tiny_target, tiny_draft) -> None:
         tb.feed([4])  # held until the other slot's chain comes
 
     _side_by_side(lockstep, drafting, plain)
-    assert ta.lanes == tb.lanes == (3, 1)
-    assert da.lanes == (1,)
-    assert ta.tick == tb.tick > da.tick  # one target batch, after the drafts
+    assert ta.last_batch.lanes == tb.last_batch.lanes == (3, 1)
+    assert da.last_batch.lanes == (1,)
+    assert ta.last_batch.tick == tb.last_batch.tick > da.last_batch.tick  # one target batch, after the drafts
     for d in (ta, tb, da, db):
         d.close()
 
@@ -270,7 +270,7 @@ def _pads_beside_a_chain(tiny_target, price) -> tuple[tuple[int, ...], int, np.n
 
     def plain() -> None:
         tb.feed([4])
-        out["lanes"] = tb.lanes
+        out["lanes"] = tb.last_batch.lanes
         out["logits"] = tb.feed([5])
 
     _side_by_side(lockstep, lambda: ta.feed([1, 2, 3]), plain)
@@ -320,7 +320,7 @@ def _steps_beside_an_idle_slot(tiny_target, price) -> tuple[tuple[int, ...], tup
 
     def c() -> None:
         out["logits"] = tc.feed([4])
-        out["lanes"] = tc.lanes
+        out["lanes"] = tc.last_batch.lanes
 
     _side_by_side(lockstep, lambda: ta.feed([4]), c)
     kept = tb.kv_positions()
@@ -351,7 +351,7 @@ def test_a_pool_times_its_slots_batches_as_they_run_together(tiny_target, tiny_d
     seconds = measure_together(lockstep, views, (1, 2), repeats=2)
     assert len(seconds) == 2 and all(s > 0 for s in seconds)
     assert views[0].n_decodes - before == 1 + 2 * 2  # its context, then each width twice
-    assert views[0].lanes == (2, 2, 2)  # the last one: every slot's 2 tokens in one batch
+    assert views[0].last_batch.lanes == (2, 2, 2)  # the last one: every slot's 2 tokens in one batch
     assert [v.kv_positions() for v in views] == [(-1, -1)] * 3
     for v in views:
         v.close()

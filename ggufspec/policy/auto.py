@@ -250,8 +250,8 @@ class AutoPolicy:
         return Plan(best[1], best[3])
 
     def observe(self, plan: Plan, draft: Draft, verdict: Verdict, timing: Timing | None) -> None:
-        self.lanes, self.lane = verdict.lanes, verdict.lane
-        for _, record, slots in self.models() if verdict.lanes else ():
+        self.lanes, self.lane = verdict.shape.lanes, verdict.lane
+        for _, record, slots in self.models() if verdict.shape.lanes else ():
             if slots is not None:
                 slots[self.lane] = record
         source = plan.source if draft.tokens else None  # a step that drafted nothing ran as a plain one

@@ -81,7 +81,7 @@ class Counters:
     decodes: int = 0  # a draft model's batches...
     decoded: int = 0  # ...and the tokens in them (a catch-up on unseen context is one batch of many)
     batched: int = 0  # the tokens of the whole batches they ran in (other slots' too, in a pool's shared context)
-    tick: int = -1  # in a pool's shared context, the number of the last batch it decoded in (lockstep.Submission.tick)
+    tick: int = -1  # in a pool's shared context, the number of the last batch it decoded in (lockstep.BatchShape.tick)
 
 
 class Proposer(Protocol):

@@ -51,7 +51,7 @@ class DraftModelProposer:
         c.decodes += d.n_decodes - decodes
         c.decoded += d.n_decoded_tokens - decoded
         c.batched += d.n_batched_tokens - batched
-        c.tick = d.tick
+        c.tick = d.last_batch.tick
         c.drafts += 1
         c.drafted += len(draft.tokens)
         return draft
