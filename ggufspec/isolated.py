@@ -36,7 +36,7 @@ from .rpc import Endpoint, check, parse_endpoints
 
 # the decoder attributes that change with its calls, mirrored in the parent after each one (history: as a diff)
 STATE = ("n_ctx", "n_ubatch", "kv_type", "kv_type_v", "decode_seconds", "n_decodes", "n_decoded_tokens",
-         "n_batched_tokens", "lanes", "tick", "n_shifts", "n_deferred", "shift_keep", "hold_seconds")
+         "n_batched_tokens", "last_batch", "n_shifts", "n_deferred", "shift_keep", "hold_seconds")
 SETTABLE = ("shift_keep",)  # attributes the engine sets, forwarded to the child
 STATIC = ("weight_buffers", "cpu_backend", "n_embd", "lane", "peers", "memory", "n_rs_seq")
 LOAD_SECONDS = 600.0  # a load sends the weights over the network: bounded, but generously

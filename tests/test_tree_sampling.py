@@ -14,6 +14,7 @@ import pytest
 from scipy.stats import chisquare
 
 from conftest import open_decoder
+from ggufspec.lockstep import NO_BATCH
 from ggufspec.proposers import Context
 from ggufspec.proposers.draft_model import DraftModelProposer
 from ggufspec.trees import build_tree, walk
@@ -130,7 +131,7 @@ class MemoDecoder:
 
     # the proposer's counters read them: nothing is timed
     decode_seconds, n_decodes, n_decoded_tokens, n_batched_tokens = 0.0, 0, 0, 0
-    tick = -1  # a context of its own: no shared batch
+    last_batch = NO_BATCH  # a context of its own: no shared batch
 
     def __init__(self, decoder) -> None:
         self.d, self.n_vocab, self.history, self.memo = decoder, decoder.n_vocab, [], {}
