@@ -177,7 +177,7 @@ class SpeculativeEngine:
     def auto_policies(self) -> Mapping[tuple[bool, bool], AutoPolicy]:
         """The `auto` policies this engine keeps across generations (read-only), by (with a draft model, with an MTP
         head): each appears when auto_policy() first makes it, before the prefill of the generation that uses it,
-        and is replaced when the cost model or draft_max changes."""
+        and is replaced when the cost model, draft_max or Medusa's tree (its sizer) changes."""
         return MappingProxyType(self._auto)
 
     @property

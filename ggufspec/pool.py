@@ -131,7 +131,8 @@ class EnginePool:
             costs = _measure(lockstep, targets, drafts, mtps, settings.draft_max)
         answers = AnswerPool()  # one for every slot: an answer in one slot drafts for the next request in any
         records = SlotRecords()  # every slot's drafters' records by lane: following slots price all
-        engines = [SpeculativeEngine(t, d, settings, costs, m, answers, records) for t, d, m in zip(targets, drafts, mtps)]
+        engines = [SpeculativeEngine(t, d, settings, costs, m, answers, records)
+                   for t, d, m in zip(targets, drafts, mtps)]
         for e in engines:
             e.load_heads(medusa_path, medusa_vocab)
         if parallel > 1:  # the target's uneven chains are padded to one length where that costs less
