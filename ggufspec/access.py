@@ -15,7 +15,7 @@ from typing import Protocol
 import numpy as np
 
 from .llama_context import Context, opened
-from .lockstep import NO_BATCH, BatchShape, Lockstep, Submission
+from .lockstep import NO_BATCH, BatchShape, Lockstep, Steps, Submission, run_steps
 from .shared_context import SharedContext
 
 # Batches of more tokens than this (prefills) run with llama_log.abort_check, so that Ctrl-C stops them between
@@ -39,9 +39,10 @@ class Access(Protocol):
     n_batched_tokens: int
     last_batch: BatchShape
 
-    def chain(self, tokens: Sequence[int], start: int, all_logits: bool, hidden: bool) -> int:
+    def chain(self, tokens: Sequence[int], start: int, all_logits: bool, hidden: bool) -> Steps[int]:
         """Decode `tokens` at positions start.. of the history's sequence, with rows for every token (all_logits) or
-        the last; `hidden`: their hidden states too. llama_decode's return code."""
+        the last; `hidden`: their hidden states too. A decode coroutine (lockstep.Steps) that returns llama_decode's
+        return code."""
 
     def tree(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[Sequence[int]]) -> int:
         """Decode `tokens`, each at its position in its sequences, with rows and hidden states for all of them."""
@@ -82,9 +83,10 @@ class OwnAccess:
         self.decode_seconds = 0.0
         self.n_decodes = self.n_decoded_tokens = self.n_batched_tokens = 0
 
-    def chain(self, tokens: Sequence[int], start: int, all_logits: bool, hidden: bool) -> int:
+    def chain(self, tokens: Sequence[int], start: int, all_logits: bool, hidden: bool) -> Steps[int]:
         self.context.batch.fill(tokens, start, all_logits)
         return self._run(len(tokens), hidden)
+        yield  # never reached: a context of its own decodes at once
 
     def tree(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[Sequence[int]]) -> int:
         batch = self.context.batch
@@ -143,20 +145,21 @@ class SlotAccess:
         self.last_batch = NO_BATCH
         self._sub: Submission | None = None  # the last decode, with its copied rows
 
-    def chain(self, tokens: Sequence[int], start: int, all_logits: bool, hidden: bool) -> int:
+    def chain(self, tokens: Sequence[int], start: int, all_logits: bool, hidden: bool) -> Steps[int]:
         n = len(tokens)
-        return self._submit(tokens, range(start, start + n), [[self.seq]] * n,
-                            [all_logits or i == n - 1 for i in range(n)], hidden)
+        return (yield from self._submit(tokens, range(start, start + n), [[self.seq]] * n,
+                                        [all_logits or i == n - 1 for i in range(n)], hidden))
 
     def tree(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[Sequence[int]]) -> int:
-        return self._submit(tokens, positions, seq_ids, [True] * len(tokens), True)
+        return run_steps(self._submit(tokens, positions, seq_ids, [True] * len(tokens), True))
 
     def _submit(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[Sequence[int]],
-                outputs: Sequence[bool], hidden: bool) -> int:
+                outputs: Sequence[bool], hidden: bool) -> Steps[int]:
         """This slot's part of the next shared batch; llama_decode's return code."""
-        sub = Submission(tokens, positions, seq_ids, outputs, hidden, self.seq)
+        sub = Submission(tokens, positions, seq_ids, outputs, hidden, self.seq, lockstep=self.lockstep,
+                         runner=self.runner)
         try:
-            self.lockstep.submit(self.runner, sub)
+            yield sub
         finally:
             self.decode_seconds += sub.seconds
             self.n_decodes += 1

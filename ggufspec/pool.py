@@ -176,21 +176,20 @@ class EnginePool:
 
     def run(self, slot: Slot, tokens: list[int], settings: GenerationSettings | None = None,
             cancelled: Callable[[], bool] = lambda: False) -> Iterator[GenerationResponse]:
-        """Generate in `slot` in the calling thread, which takes part in the slots' batches meanwhile: consume the
-        responses without blocking (the other slots wait for this thread at each step). Stops at the next token
-        once `cancelled()` is true."""
+        """Generate in `slot`: the generation runs on the pool's decode thread beside the other slots' (a task of the
+        lockstep), its responses come here as they are made. Stops at the next token once `cancelled()` is true, or
+        once the caller closes this iterator."""
         slot.prompt_tokens, slot.generated_tokens, slot.drafts_kept = len(tokens), 0, 0
-        with self.lockstep.member():
-            stream = slot.engine.stream(tokens, settings)
-            try:
-                for r in stream:
-                    slot.generated_tokens += r.token is not None
-                    slot.drafts_kept += r.from_draft
-                    yield r
-                    if r.finish_reason is not None or cancelled():
-                        break
-            finally:
-                stream.close()
+        task = self.lockstep.spawn(slot.engine.steps(tokens, settings))
+        try:
+            for r in task:
+                slot.generated_tokens += r.token is not None
+                slot.drafts_kept += r.from_draft
+                yield r
+                if r.finish_reason is not None or cancelled():
+                    break
+        finally:
+            task.close()
 
     def stream_many(self, prompts: Iterable[Prompt], settings: GenerationSettings | None = None,
                     ) -> Iterator[tuple[int, GenerationResponse | Exception]]:

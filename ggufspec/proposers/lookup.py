@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from . import NO_DRAFT, Context, Counters, Draft
+from . import NO_DRAFT, Context, Counters, Draft, PlainSteps
 
 # How far back a match is measured: a guess whose context repeats earlier text this long is a copy, not a chance
 # n-gram (the policy prices the two apart, and lets only copies run past the draft length)
@@ -68,7 +68,7 @@ def _bigrams(first: np.ndarray | int, second: np.ndarray | int) -> np.ndarray | 
     return ((first + 1) << 32) | (second + 1)
 
 
-class LookupProposer:
+class LookupProposer(PlainSteps):
     """Guesses from the text itself (and, given `answers`, from earlier answers where the text has no match):
     point-mass proposals, no model, no cost but the search."""
 
