@@ -15,7 +15,7 @@ from typing import Protocol
 import numpy as np
 
 from .llama_context import Context, opened
-from .lockstep import NO_BATCH, BatchShape, Lockstep, Steps, Submission, run_steps
+from .lockstep import NO_BATCH, BatchShape, Lockstep, Steps, Submission
 from .shared_context import SharedContext
 
 # Batches of more tokens than this (prefills) run with llama_log.abort_check, so that Ctrl-C stops them between
@@ -44,8 +44,9 @@ class Access(Protocol):
         the last; `hidden`: their hidden states too. A decode coroutine (lockstep.Steps) that returns llama_decode's
         return code."""
 
-    def tree(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[Sequence[int]]) -> int:
-        """Decode `tokens`, each at its position in its sequences, with rows and hidden states for all of them."""
+    def tree(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[Sequence[int]]) -> Steps[int]:
+        """Decode `tokens`, each at its position in its sequences, with rows and hidden states for all of them (a
+        decode coroutine, as chain)."""
 
     def logits(self, n_rows: int, view: bool) -> np.ndarray:
         """The last decode's n_rows rows of logits; view=True: where they are a view of llama.cpp's buffer, not
@@ -88,12 +89,13 @@ class OwnAccess:
         return self._run(len(tokens), hidden)
         yield  # never reached: a context of its own decodes at once
 
-    def tree(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[Sequence[int]]) -> int:
+    def tree(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[Sequence[int]]) -> Steps[int]:
         batch = self.context.batch
         batch.fill_tree(tokens, positions, seq_ids)
         rc = self._run(len(tokens), True)
         batch.reset_sequences(len(tokens))
         return rc
+        yield  # never reached: a context of its own decodes at once
 
     def _run(self, n_tokens: int, hidden: bool) -> int:
         t0 = time.perf_counter()
@@ -150,8 +152,8 @@ class SlotAccess:
         return (yield from self._submit(tokens, range(start, start + n), [[self.seq]] * n,
                                         [all_logits or i == n - 1 for i in range(n)], hidden))
 
-    def tree(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[Sequence[int]]) -> int:
-        return run_steps(self._submit(tokens, positions, seq_ids, [True] * len(tokens), True))
+    def tree(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[Sequence[int]]) -> Steps[int]:
+        return (yield from self._submit(tokens, positions, seq_ids, [True] * len(tokens), True))
 
     def _submit(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[Sequence[int]],
                 outputs: Sequence[bool], hidden: bool) -> Steps[int]:

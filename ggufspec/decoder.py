@@ -75,6 +75,8 @@ class Decoder(Protocol):
 
     def rollback_steps(self, n: int) -> Steps[None]: ...
 
+    def tree_logits_steps(self, tokens: Sequence[int], parents: Sequence[int]) -> Steps[np.ndarray]: ...
+
     def hold(self, undo: int | None = None, anchor: bool = False) -> None:
         """Make a later rollback_to the history as it is now cheap (recurrent memory: a checkpoint of the state where
         its snapshots will not reach; nothing for attention). `undo`: the next feed will be rolled back by at most
@@ -385,7 +387,7 @@ class LlamaCppDecoder(TreeDecoding):
         if n > context.batch.capacity:
             raise GGUFSpecError(f"a batch of {n} tokens needs n_batch >= {n}, this context has {context.batch.capacity}")
         self._unrecorded = True  # and they stay so: not the history's, rollback_to(0) drops them too
-        rc = self._access.tree(tokens, positions, [[s] for s in seq_ids])
+        rc = run_steps(self._access.tree(tokens, positions, [[s] for s in seq_ids]))
         if rc != 0:
             raise GGUFSpecError(f"llama_decode failed with code {rc} on a batch of {n} tokens in sequences "
                                 f"{sorted(set(seq_ids))} (raise n_ctx?)")

@@ -131,6 +131,10 @@ class DecodeSteps:
         return
         yield
 
+    def tree_logits_steps(self, tokens: Sequence[int], parents: Sequence[int]) -> Steps[np.ndarray]:
+        return self.tree_logits(tokens, parents)
+        yield
+
 
 class Runner(Protocol):
     """A shared context: runs the submissions of one tick as one batch (under Lockstep.lock). A `leads` runner's
@@ -245,6 +249,8 @@ class Lockstep:
 
     def submit(self, runner: Runner, sub: Submission) -> Submission:
         """Queue `sub` for `runner`'s next batch and wait until it has run; `sub` comes back with its results."""
+        if threading.current_thread() is self._runner:  # it would wait for itself
+            raise RuntimeError("a task's decode is yielded (a lockstep.Steps coroutine), not submitted")
         with self.member():
             with self.lock:
                 self._queue(runner, sub)

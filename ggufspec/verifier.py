@@ -148,7 +148,7 @@ class Verifier:
             self.deferred = t.n_deferred
         else:
             nodes = np.array([last, *draft.tokens])
-            logits = suppress(t.tree_logits(nodes, draft.tree.parents), self.suppressed)
+            logits = suppress((yield from t.tree_logits_steps(nodes, draft.tree.parents)), self.suppressed)
             q = None if draft.q is None else [None, *pad_vocab(draft.q, logits.shape[-1])]
             if self.typical:
                 path, nxt = walk_typical(draft.tree, nodes, logits, self.params, self.rng)
