@@ -136,7 +136,7 @@ class OwnAccess:
 class SlotAccess:
     """A slot of a shared context (LlamaCppDecoder.slots): its sequences are `seq` (the history) and the span - 1
     after it (its trees' leaves); each decode is its part of the next shared batch, submitted through `lockstep` to
-    `runner`, its rows copied out (lockstep.Submission); every KV edit holds the lockstep's lock (Context.lock)."""
+    `runner`, its rows handed back (lockstep.Submission); every KV edit holds the lockstep's lock (Context.lock)."""
 
     def __init__(self, runner: SharedContext, lockstep: Lockstep, seq: int, span: int) -> None:
         self.runner: SharedContext | None = runner
@@ -145,7 +145,7 @@ class SlotAccess:
         self.decode_seconds = 0.0
         self.n_decodes = self.n_decoded_tokens = self.n_batched_tokens = 0
         self.last_batch = NO_BATCH
-        self._sub: Submission | None = None  # the last decode, with its copied rows
+        self._sub: Submission | None = None  # the last decode, with its rows
 
     def chain(self, tokens: Sequence[int], start: int, all_logits: bool, hidden: bool) -> Steps[int]:
         n = len(tokens)
@@ -172,7 +172,8 @@ class SlotAccess:
         return sub.rc
 
     def logits(self, n_rows: int, view: bool) -> np.ndarray:
-        return self._sub.logits  # the rows it asked for, copied: n_rows of them
+        rows = self._sub.logits  # the rows it asked for, n_rows of them: a view of the shared batch's
+        return rows if view else rows.copy()
 
     def states(self, n_out: int, skip: int) -> np.ndarray:
         return self._sub.states[skip:]

@@ -10,8 +10,9 @@ not know that they share (continuous batching, as llama-server's `update_slots`,
 thread may also take part as a member (`member()`, `submit`: cost measurements, tests), its decodes waiting for the
 tick that runs them.
 
-Rules: every use of a shared context (decodes, KV sequence edits) holds `lock`; results are copied out before anyone
-decodes again, so they never alias llama.cpp's buffers.
+Rules: every use of a shared context (decodes, KV sequence edits) holds `lock`; a submission's rows are views of its
+batch's outputs, read (or copied: Decoder.feed's view=False) before its slot decodes again, as on a context of its
+own: no other slot's batch in that context runs before then.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ class Submission:
     embd: np.ndarray | None = None  # (n, H) an MTP head's input: the hidden row each token is read with (mtp.py)
     # filled by the batch's run
     rc: int = -1  # llama_decode's return code for the whole batch
-    logits: np.ndarray | None = None  # (outputs, V) copied rows
+    logits: np.ndarray | None = None  # (outputs, V) rows: a view of the batch's, valid until its context's next batch
     states: np.ndarray | None = None  # (outputs, H) with hidden
     # the hidden rows llama.cpp keeps for an MTP head: a target's of every token (record_hidden), a head's own of
     # those with `outputs`
@@ -222,13 +223,15 @@ class Lockstep:
         self._local = threading.local()
         self._runner: threading.Thread | None = None
         self._tasks: list[Task] = []
+        self._current: Task | None = None  # the task the decode thread is running on
         self.n_ticks = 0  # ticks run
         self.decode_seconds = 0.0  # every tick's batches, all contexts: the rest of a busy pool's time is the slots'
 
     def others(self) -> int:
-        """Threads taking part now (each generating slot's), the calling one aside; or, where more, the other slots
-        held (EnginePool.slot): requests that arrive together begin before the others take part."""
-        return max(self._members - (getattr(self._local, "depth", 0) > 0), self.held - 1)
+        """Generations taking part now (tasks and member threads), the calling one aside; or, where more, the other
+        slots held (EnginePool.slot): requests that arrive together begin before the others take part."""
+        tasks = len(self._tasks) + len(self._inbox) - (self._current is not None)
+        return max(tasks + self._members - (getattr(self._local, "depth", 0) > 0), self.held - 1)
 
     @contextmanager
     def member(self) -> Iterator[None]:
@@ -286,6 +289,7 @@ class Lockstep:
                 if not task.waiting.done:
                     continue
                 task.waiting = None
+            self._current = task
             try:
                 for item in task.steps:
                     if isinstance(item, Submission):
@@ -301,6 +305,8 @@ class Lockstep:
                     self._end(task, None)
             except BaseException as e:  # the reader raises it
                 self._end(task, e)
+            finally:
+                self._current = None
 
     def _end(self, task: Task, error: BaseException | None) -> None:
         self._tasks.remove(task)
