@@ -306,6 +306,14 @@ class SpeculativeEngine:
             if self.answers is not None:
                 self.answers.add(out)
 
+    def prepare(self, s: GenerationSettings) -> Policy:
+        """The policy a generation with settings `s` runs, measured now where it needs measuring (`auto`'s costs for a
+        longer draft_max than measured, Medusa's tree sizer): a pool's slot calls it on the request's thread before its
+        generation starts on the pool's decode thread, which must not wait on ticks of its own."""
+        method = self.method_for(s)
+        sources = self._sources(method)
+        return method.policy(self, s, sources, self.medusa_tree(s) if "medusa" in sources else None)
+
     def _sources(self, method: Method) -> tuple[str, ...]:
         """The proposers `method` drafts from here: not Medusa's trees on recurrent memory (their tokens would sit in
         several sequences at once), which `auto` then leaves out and `medusa` cannot run without."""

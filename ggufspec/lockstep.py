@@ -196,15 +196,17 @@ class _Tick:
 
 
 class Lockstep:
-    """The rendezvous of the member threads of a set of shared contexts, and the one thread that decodes for them.
+    """The scheduler of a set of shared contexts: the one thread that decodes for them, runs its tasks (a pool's
+    generations) between ticks, and meets the member threads' submissions.
 
-    Drafts first: while any member waits on a `leads` runner (the draft model's context), a tick runs only those,
+    Drafts first: while any task or member waits on a `leads` runner (the draft model's context), a tick runs only those,
     and the others' submissions wait for the next. So every slot's verification meets the others' in one target
     batch however many tokens each drafted, as llama-server's loop drafts for every slot and then decodes one
     batch. Otherwise a slot drafting k tokens verifies out of step with the others, alone in a batch of its own.
 
     Every tick runs on that thread: with llama.cpp's OpenMP build, a decode from another thread than the one that
-    decoded before runs at about half speed, so no decode may run on a member's own thread."""
+    decoded before runs at about half speed, so no decode may run on a member's own thread. The tasks' Python runs
+    there too, one after another: no slot waits for another's thread to be scheduled, nor for the interpreter."""
 
     def __init__(self) -> None:
         self.lock = threading.RLock()

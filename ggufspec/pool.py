@@ -1,8 +1,9 @@
 """`EnginePool`: N slots, each a `SpeculativeEngine` over its own sequences of shared target and draft contexts,
 generating side by side (continuous batching with speculation; see lockstep.py).
 
-Each generation runs the ordinary engine loop in a thread of its own; the slots' decodes meet in one target batch
-and one draft batch per tick. Each prompt's text is what it gets alone on one engine: each slot has a KV stream of
+Each generation runs the ordinary engine loop as a task of the lockstep's one decode thread, which runs every slot's
+step on until it waits on a decode, then one target batch (or one draft batch) for all of them: a scheduler step
+over every slot, as llama-server's `update_slots`. Each prompt's text is what it gets alone on one engine: each slot has a KV stream of
 its own (docs/exactness.md)."""
 
 from __future__ import annotations
@@ -180,6 +181,7 @@ class EnginePool:
         lockstep), its responses come here as they are made. Stops at the next token once `cancelled()` is true, or
         once the caller closes this iterator."""
         slot.prompt_tokens, slot.generated_tokens, slot.drafts_kept = len(tokens), 0, 0
+        slot.engine.prepare(settings or slot.engine.settings)  # measured here, by this thread: see prepare
         task = self.lockstep.spawn(slot.engine.steps(tokens, settings))
         try:
             for r in task:
