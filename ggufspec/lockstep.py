@@ -199,9 +199,9 @@ class Lockstep:
     """The scheduler of a set of shared contexts: the one thread that decodes for them, runs its tasks (a pool's
     generations) between ticks, and meets the member threads' submissions.
 
-    Drafts first: while any task or member waits on a `leads` runner (the draft model's context), a tick runs only those,
-    and the others' submissions wait for the next. So every slot's verification meets the others' in one target
-    batch however many tokens each drafted, as llama-server's loop drafts for every slot and then decodes one
+    Drafts first: while any task or member waits on a `leads` runner (the draft model's context), a tick runs only
+    those, and the others' submissions wait for the next. So every slot's verification meets the others' in one
+    target batch however many tokens each drafted, as llama-server's loop drafts for every slot and then decodes one
     batch. Otherwise a slot drafting k tokens verifies out of step with the others, alone in a batch of its own.
 
     Every tick runs on that thread: with llama.cpp's OpenMP build, a decode from another thread than the one that
@@ -210,10 +210,8 @@ class Lockstep:
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
-        # two conditions on it, so that a submission wakes only the decode thread, and only when it completes a tick:
-        # with one condition for both, every submission woke every waiting member too (N^2 wake-ups a tick, each a
-        # turn of Python's lock)
-        self._ticked = threading.Condition(self.lock)  # members wait here for their tick to run
+        # members wait here for their tick to run (a submission wakes the decode thread only when it completes a tick)
+        self._ticked = threading.Condition(self.lock)
         # the decode thread sleeps here when no tick is complete; wakers set the flag (a wake-up is never lost). Not
         # on `lock`, which the decode thread takes again at once each turn: a thread waiting for it would starve
         self._woken = threading.Condition(threading.Lock())
@@ -273,8 +271,9 @@ class Lockstep:
         with self._woken:
             self._inbox.append(task)
         self._wake()
-        with self.lock:
-            self._start()
+        if self._runner is None:  # (once running, the decode thread holds `lock` nearly always: no wait for it)
+            with self.lock:
+                self._start()
         return task
 
     def _wake(self) -> None:

@@ -3,8 +3,8 @@ generating side by side (continuous batching with speculation; see lockstep.py).
 
 Each generation runs the ordinary engine loop as a task of the lockstep's one decode thread, which runs every slot's
 step on until it waits on a decode, then one target batch (or one draft batch) for all of them: a scheduler step
-over every slot, as llama-server's `update_slots`. Each prompt's text is what it gets alone on one engine: each slot has a KV stream of
-its own (docs/exactness.md)."""
+over every slot, as llama-server's `update_slots`. Each prompt's text is what it gets alone on one engine: each slot
+has a KV stream of its own (docs/exactness.md)."""
 
 from __future__ import annotations
 

@@ -66,7 +66,8 @@ class TreeDecoding(KvSequence):
         pre = self._take_deferred()  # decoded as a chain above the roots
         base = len(self.history)
         try:
-            logits = yield from self._decode_tree([*pre, *tokens], [*range(-1, len(pre) - 1), *(p + len(pre) for p in parents)])
+            parents = [*range(-1, len(pre) - 1), *(p + len(pre) for p in parents)]
+            logits = yield from self._decode_tree([*pre, *tokens], parents)
         except BaseException:
             self._restore_deferred(pre, base)
             raise
