@@ -147,8 +147,8 @@ class Runner(Protocol):
         """Run `subs`; the tokens each sequence ran, by sequence id, pads included."""
 
 
-class _End:
-    """A task's last item: how it ended (an exception to raise in its reader, or None)."""
+class Ended:
+    """A task's last output: how it ended (an exception for its reader to raise, or None)."""
 
     def __init__(self, error: BaseException | None = None) -> None:
         self.error = error
@@ -158,9 +158,11 @@ class Task:
     """A generation the decode thread runs (Lockstep.spawn): iterate over it for what its coroutine yields besides
     submissions, in order (its exception raised at the end); close() stops it at its next item."""
 
-    def __init__(self, steps: Iterator[Any], lockstep: Lockstep) -> None:
+    def __init__(self, steps: Iterator[Any], lockstep: Lockstep, put: Callable[[Any], None] | None = None) -> None:
+        """`put`: where its outputs go (its own queue, which iterating reads, when None)."""
         self.steps, self.lockstep = steps, lockstep
         self.out: queue.SimpleQueue = queue.SimpleQueue()  # unbounded: the decode thread never waits for a reader
+        self.put = put or self.out.put
         self.waiting: Submission | None = None  # the submission its coroutine waits on
         self.closing = False
         self.ended = threading.Event()
@@ -168,7 +170,7 @@ class Task:
     def __iter__(self) -> Iterator[Any]:
         while True:
             item = self.out.get()
-            if isinstance(item, _End):
+            if isinstance(item, Ended):
                 if item.error is not None:
                     raise item.error
                 return
@@ -264,10 +266,11 @@ class Lockstep:
                     self._ticked.wait()
         return sub
 
-    def spawn(self, steps: Iterator[Any]) -> Task:
+    def spawn(self, steps: Iterator[Any], put: Callable[[Any], None] | None = None) -> Task:
         """Run `steps` (a generation: it yields the submissions it waits on, and its outputs) on the decode thread,
-        every tick beside the other tasks and members; read its outputs from the Task."""
-        task = Task(steps, self)
+        every tick beside the other tasks and members; its outputs, then an Ended, go to `put` (else read them from
+        the Task)."""
+        task = Task(steps, self, put)
         with self._woken:
             self._inbox.append(task)
         self._wake()
@@ -301,7 +304,7 @@ class Lockstep:
                         task.steps.close()
                         self._end(task, None)
                         break
-                    task.out.put(item)
+                    task.put(item)
                 else:
                     self._end(task, None)
             except BaseException as e:  # the reader raises it
@@ -311,7 +314,7 @@ class Lockstep:
 
     def _end(self, task: Task, error: BaseException | None) -> None:
         self._tasks.remove(task)
-        task.out.put(_End(error))
+        task.put(Ended(error))
         task.ended.set()
 
     def _queue(self, runner: Runner, sub: Submission) -> None:
