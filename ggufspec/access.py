@@ -15,7 +15,7 @@ from typing import Protocol
 import numpy as np
 
 from .llama_context import Context, opened
-from .lockstep import NO_BATCH, BatchShape, Lockstep, Submission
+from .lockstep import NO_BATCH, BatchShape, Lockstep, Steps, Submission
 from .shared_context import SharedContext
 
 # Batches of more tokens than this (prefills) run with llama_log.abort_check, so that Ctrl-C stops them between
@@ -39,12 +39,14 @@ class Access(Protocol):
     n_batched_tokens: int
     last_batch: BatchShape
 
-    def chain(self, tokens: Sequence[int], start: int, all_logits: bool, hidden: bool) -> int:
+    def chain(self, tokens: Sequence[int], start: int, all_logits: bool, hidden: bool) -> Steps[int]:
         """Decode `tokens` at positions start.. of the history's sequence, with rows for every token (all_logits) or
-        the last; `hidden`: their hidden states too. llama_decode's return code."""
+        the last; `hidden`: their hidden states too. A decode coroutine (lockstep.Steps) that returns llama_decode's
+        return code."""
 
-    def tree(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[Sequence[int]]) -> int:
-        """Decode `tokens`, each at its position in its sequences, with rows and hidden states for all of them."""
+    def tree(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[Sequence[int]]) -> Steps[int]:
+        """Decode `tokens`, each at its position in its sequences, with rows and hidden states for all of them (a
+        decode coroutine, as chain)."""
 
     def logits(self, n_rows: int, view: bool) -> np.ndarray:
         """The last decode's n_rows rows of logits; view=True: where they are a view of llama.cpp's buffer, not
@@ -82,16 +84,18 @@ class OwnAccess:
         self.decode_seconds = 0.0
         self.n_decodes = self.n_decoded_tokens = self.n_batched_tokens = 0
 
-    def chain(self, tokens: Sequence[int], start: int, all_logits: bool, hidden: bool) -> int:
+    def chain(self, tokens: Sequence[int], start: int, all_logits: bool, hidden: bool) -> Steps[int]:
         self.context.batch.fill(tokens, start, all_logits)
         return self._run(len(tokens), hidden)
+        yield  # never reached: a context of its own decodes at once
 
-    def tree(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[Sequence[int]]) -> int:
+    def tree(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[Sequence[int]]) -> Steps[int]:
         batch = self.context.batch
         batch.fill_tree(tokens, positions, seq_ids)
         rc = self._run(len(tokens), True)
         batch.reset_sequences(len(tokens))
         return rc
+        yield  # never reached: a context of its own decodes at once
 
     def _run(self, n_tokens: int, hidden: bool) -> int:
         t0 = time.perf_counter()
@@ -132,7 +136,7 @@ class OwnAccess:
 class SlotAccess:
     """A slot of a shared context (LlamaCppDecoder.slots): its sequences are `seq` (the history) and the span - 1
     after it (its trees' leaves); each decode is its part of the next shared batch, submitted through `lockstep` to
-    `runner`, its rows copied out (lockstep.Submission); every KV edit holds the lockstep's lock (Context.lock)."""
+    `runner`, its rows handed back (lockstep.Submission); every KV edit holds the lockstep's lock (Context.lock)."""
 
     def __init__(self, runner: SharedContext, lockstep: Lockstep, seq: int, span: int) -> None:
         self.runner: SharedContext | None = runner
@@ -141,22 +145,23 @@ class SlotAccess:
         self.decode_seconds = 0.0
         self.n_decodes = self.n_decoded_tokens = self.n_batched_tokens = 0
         self.last_batch = NO_BATCH
-        self._sub: Submission | None = None  # the last decode, with its copied rows
+        self._sub: Submission | None = None  # the last decode, with its rows
 
-    def chain(self, tokens: Sequence[int], start: int, all_logits: bool, hidden: bool) -> int:
+    def chain(self, tokens: Sequence[int], start: int, all_logits: bool, hidden: bool) -> Steps[int]:
         n = len(tokens)
-        return self._submit(tokens, range(start, start + n), [[self.seq]] * n,
-                            [all_logits or i == n - 1 for i in range(n)], hidden)
+        return (yield from self._submit(tokens, range(start, start + n), [[self.seq]] * n,
+                                        [all_logits or i == n - 1 for i in range(n)], hidden))
 
-    def tree(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[Sequence[int]]) -> int:
-        return self._submit(tokens, positions, seq_ids, [True] * len(tokens), True)
+    def tree(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[Sequence[int]]) -> Steps[int]:
+        return (yield from self._submit(tokens, positions, seq_ids, [True] * len(tokens), True))
 
     def _submit(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[Sequence[int]],
-                outputs: Sequence[bool], hidden: bool) -> int:
+                outputs: Sequence[bool], hidden: bool) -> Steps[int]:
         """This slot's part of the next shared batch; llama_decode's return code."""
-        sub = Submission(tokens, positions, seq_ids, outputs, hidden, self.seq)
+        sub = Submission(tokens, positions, seq_ids, outputs, hidden, self.seq, lockstep=self.lockstep,
+                         runner=self.runner)
         try:
-            self.lockstep.submit(self.runner, sub)
+            yield sub
         finally:
             self.decode_seconds += sub.seconds
             self.n_decodes += 1
@@ -167,7 +172,8 @@ class SlotAccess:
         return sub.rc
 
     def logits(self, n_rows: int, view: bool) -> np.ndarray:
-        return self._sub.logits  # the rows it asked for, copied: n_rows of them
+        rows = self._sub.logits  # the rows it asked for, n_rows of them: a view of the shared batch's
+        return rows if view else rows.copy()
 
     def states(self, n_out: int, skip: int) -> np.ndarray:
         return self._sub.states[skip:]

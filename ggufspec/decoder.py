@@ -25,7 +25,7 @@ from .access import OwnAccess, SlotAccess
 from .llama_context import Context, default_threads
 from .errors import GGUFSpecError
 from .gguf_check import read_header
-from .lockstep import BatchShape, Lockstep, Price
+from .lockstep import BatchShape, Lockstep, Price, Steps, run_steps
 from .machine_cache import notice
 from .memory import check_memory
 from .model import LlamaModel
@@ -66,6 +66,16 @@ class Decoder(Protocol):
     def rollback_to(self, n: int) -> None:
         """Keep the first n history tokens and drop the KV entries of the rest (on recurrent memory, tokens its
         snapshots or checkpoints cannot undo are decoded again, by this call or the next feed: see hold)."""
+
+    # feed, sync and rollback_to as decode coroutines (lockstep.Steps), which a pool's tasks run (a decoder whose
+    # decodes never wait on other slots' takes lockstep.DecodeSteps' defaults)
+    def feed_steps(self, tokens: Sequence[int], all_logits: bool = True, view: bool = False) -> Steps[np.ndarray]: ...
+
+    def sync_steps(self, tokens: Sequence[int], view: bool = False) -> Steps[np.ndarray]: ...
+
+    def rollback_steps(self, n: int) -> Steps[None]: ...
+
+    def tree_logits_steps(self, tokens: Sequence[int], parents: Sequence[int]) -> Steps[np.ndarray]: ...
 
     def hold(self, undo: int | None = None, anchor: bool = False) -> None:
         """Make a later rollback_to the history as it is now cheap (recurrent memory: a checkpoint of the state where
@@ -377,7 +387,7 @@ class LlamaCppDecoder(TreeDecoding):
         if n > context.batch.capacity:
             raise GGUFSpecError(f"a batch of {n} tokens needs n_batch >= {n}, this context has {context.batch.capacity}")
         self._unrecorded = True  # and they stay so: not the history's, rollback_to(0) drops them too
-        rc = self._access.tree(tokens, positions, [[s] for s in seq_ids])
+        rc = run_steps(self._access.tree(tokens, positions, [[s] for s in seq_ids]))
         if rc != 0:
             raise GGUFSpecError(f"llama_decode failed with code {rc} on a batch of {n} tokens in sequences "
                                 f"{sorted(set(seq_ids))} (raise n_ctx?)")
@@ -427,8 +437,13 @@ class LlamaCppDecoder(TreeDecoding):
 def prefill(d: Decoder, context: list[int]) -> None:
     """Decode `context` into d's cache, reusing its common prefix (an empty context empties it); on recurrent memory
     its end is kept as a point to go back to (a chat's next turn reuses the prompt at least)."""
+    run_steps(prefill_steps(d, context))
+
+
+def prefill_steps(d: Decoder, context: list[int]) -> Steps[None]:
+    """prefill as a decode coroutine."""
     if context:
-        d.sync(context)
+        yield from d.sync_steps(context)
         d.hold(anchor=True)
     else:
-        d.rollback_to(0)
+        yield from d.rollback_steps(0)

@@ -23,6 +23,7 @@ from .memory import check_memory, snapshots_that_fit
 from .medusa.candidates import special_ids
 from .medusa.heads import ARCH as MEDUSA_ARCH, Heads, heads_memory, medusa_decoder_options
 from .mtp import MtpDecoder, mtp_layers, unavailable as mtp_unavailable
+from .lockstep import Submission
 from .loop import generate_steps
 from .methods import Method, get_method
 from .policy import Policy, TreeSizer
@@ -224,6 +225,16 @@ class SpeculativeEngine:
     def stream(self, prompt: Prompt, settings: GenerationSettings | None = None) -> Iterator[GenerationResponse]:
         """Yield a response per committed token, then one with the finish reason and the whole result (also left
         in `last_result`, even when the caller stops early)."""
+        for r in self.steps(prompt, settings):
+            if isinstance(r, Submission):  # a pool's slot used on its own: this thread waits for the tick
+                r.lockstep.submit(r.runner, r)
+            else:
+                yield r
+
+    def steps(self, prompt: Prompt, settings: GenerationSettings | None = None,
+              ) -> Iterator[GenerationResponse | Submission]:
+        """stream's responses, and on a pool's slot the submissions its decodes wait on (lockstep.Steps: the pool's
+        decode thread runs it as a task)."""
         if self._closed:
             raise GGUFSpecError("this engine is closed.")
         if not self._lock.acquire(blocking=False):
@@ -248,7 +259,7 @@ class SpeculativeEngine:
             name = "auto"
         return get_method(name, self.draft is not None, self.medusa is not None)
 
-    def _run(self, prompt: Prompt, s: GenerationSettings) -> Iterator[GenerationResponse]:
+    def _run(self, prompt: Prompt, s: GenerationSettings) -> Iterator[GenerationResponse | Submission]:
         method = self.method_for(s)
         sources = self._sources(method)
         draft = self.draft if "draft" in sources else None  # other methods leave its context as it is
@@ -271,7 +282,11 @@ class SpeculativeEngine:
             is_stop = lambda tok: self.target.vocab.is_eog(tok) or tok in stop_ids  # noqa: E731
             steps = generate_steps(tokens, verifier, proposers, policy, limit, meter.prefilled)
             with closing(committed(steps, meter.stats, is_stop)) as step_tokens:
-                for tok, from_draft in step_tokens:
+                for item in step_tokens:
+                    if isinstance(item, Submission):  # a pool slot's decode: the pool's decode thread runs it
+                        yield item
+                        continue
+                    tok, from_draft = item
                     if tok is None:
                         reason = "stop"
                         break
@@ -290,6 +305,14 @@ class SpeculativeEngine:
                 self.last_result = GenerationResult(text.text, out, "interrupted", meter.finish(len(out)))
             if self.answers is not None:
                 self.answers.add(out)
+
+    def prepare(self, s: GenerationSettings) -> Policy:
+        """The policy a generation with settings `s` runs, measured now where it needs measuring (`auto`'s costs for a
+        longer draft_max than measured, Medusa's tree sizer): a pool's slot calls it on the request's thread before its
+        generation starts on the pool's decode thread, which must not wait on ticks of its own."""
+        method = self.method_for(s)
+        sources = self._sources(method)
+        return method.policy(self, s, sources, self.medusa_tree(s) if "medusa" in sources else None)
 
     def _sources(self, method: Method) -> tuple[str, ...]:
         """The proposers `method` drafts from here: not Medusa's trees on recurrent memory (their tokens would sit in

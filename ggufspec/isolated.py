@@ -27,6 +27,7 @@ from typing import Any
 
 from .decoder import DecoderOptions, LlamaCppDecoder
 from .history import common_prefix
+from .lockstep import DecodeSteps
 from .errors import GGUFSpecError, RPCError
 from .ggml_api import ABORT_CALLBACK, ggml
 from .llama_log import without_build_paths
@@ -199,7 +200,7 @@ class DecoderProcess:
             self._proc.wait()
 
 
-class IsolatedDecoder:
+class IsolatedDecoder(DecodeSteps):
     """A LlamaCppDecoder living in a DecoderProcess: the same methods and attributes (arrays come back as copies,
     never views), and RPCError from any call once the child has failed.
 

@@ -1,28 +1,31 @@
-"""`Lockstep`: threads that share llama.cpp contexts decode together, one batch per context per tick.
+"""`Lockstep`: generations that share llama.cpp contexts decode together, one batch per context per tick.
 
-Each sequence (a slot: one request's generation) runs the ordinary engine loop in its own thread, on decoders that
-are views of shared contexts (LlamaCppDecoder.slots). A view's decode is a `Submission`: it waits until every
-member thread is waiting on one, then the decode thread runs every context's pending submissions as ONE
-llama_decode per context and wakes them. So the target verifies every slot's proposal in one batch, the draft
-model decodes every slot's draft position in one batch, a joining prompt's chunk rides along with the others'
-steps, and the loop, the verifier and the proposers do not know that they share (continuous batching, as
-llama-server's slots, with no second code path).
+Each sequence (a slot: one request's generation) runs the ordinary engine loop on decoders that are views of shared
+contexts (LlamaCppDecoder.slots). A view's decode is a `Submission`. A pool's generations are tasks (`spawn`) of the
+lockstep's one decode thread, which scheduler-like runs each until it yields the submission it waits on (the decode
+coroutines: `Steps`), then every context's pending submissions as ONE llama_decode per context, then each task on:
+the target verifies every slot's proposal in one batch, the draft model decodes every slot's draft position in one
+batch, a joining prompt's chunk rides along with the others' steps, and the loop, the verifier and the proposers do
+not know that they share (continuous batching, as llama-server's `update_slots`, with no second code path). A
+thread may also take part as a member (`member()`, `submit`: cost measurements, tests), its decodes waiting for the
+tick that runs them.
 
-Rules: a thread that uses a view takes part (`member()`, or one submission at a time when it is not a member); every
-use of a shared context (decodes, KV sequence edits) holds `lock`; results are copied out before anyone decodes
-again, so they never alias llama.cpp's buffers.
+Rules: every use of a shared context (decodes, KV sequence edits) holds `lock`; a submission's rows are views of its
+batch's outputs, read (or copied: Decoder.feed's view=False) before its slot decodes again, as on a context of its
+own: no other slot's batch in that context runs before then.
 """
 
 from __future__ import annotations
 
 import math
+import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -63,7 +66,7 @@ class Submission:
     embd: np.ndarray | None = None  # (n, H) an MTP head's input: the hidden row each token is read with (mtp.py)
     # filled by the batch's run
     rc: int = -1  # llama_decode's return code for the whole batch
-    logits: np.ndarray | None = None  # (outputs, V) copied rows
+    logits: np.ndarray | None = None  # (outputs, V) rows: a view of the batch's, valid until its context's next batch
     states: np.ndarray | None = None  # (outputs, H) with hidden
     # the hidden rows llama.cpp keeps for an MTP head: a target's of every token (record_hidden), a head's own of
     # those with `outputs`
@@ -71,6 +74,27 @@ class Submission:
     seconds: float = 0.0  # the whole batch's decode time
     shape: BatchShape = NO_BATCH  # the whole batch's: (max lane + 1,) tokens per member's lane, and its tick
     done: bool = False  # its batch has run
+    # where it runs: set by the slot that submits it
+    lockstep: Lockstep | None = None
+    runner: Runner | None = None
+
+
+T = TypeVar("T")
+# A decode coroutine: yields each Submission it waits on (resumed once its batch has run) and returns its result. On
+# contexts of their own it yields none; run_steps runs one in the calling thread, a Lockstep task on its decode thread.
+Steps = Generator[Submission, None, T]
+
+
+def run_steps(steps: Steps[T]) -> T:
+    """Run a decode coroutine to its end in the calling thread: each submission it yields waits for its tick
+    (Lockstep.submit)."""
+    try:
+        sub = next(steps)
+        while True:
+            sub.lockstep.submit(sub.runner, sub)
+            sub = next(steps)
+    except StopIteration as end:
+        return end.value
 
 
 class LockstepSlot:
@@ -91,6 +115,28 @@ class LockstepSlot:
         return self._lockstep.others() if self._lockstep is not None else 0
 
 
+class DecodeSteps:
+    """Default decode coroutines for a decoder whose decodes never wait on a tick (a context of its own, a child
+    process's): each runs the plain call. A slot of a shared context defines its own (sequence.KvSequence)."""
+
+    def feed_steps(self, tokens: Sequence[int], all_logits: bool = True, view: bool = False) -> Steps[np.ndarray]:
+        return self.feed(tokens, all_logits, view)
+        yield  # never reached: a generator that waits on nothing
+
+    def sync_steps(self, tokens: Sequence[int], view: bool = False) -> Steps[np.ndarray]:
+        return self.sync(tokens, view)
+        yield
+
+    def rollback_steps(self, n: int) -> Steps[None]:
+        self.rollback_to(n)
+        return
+        yield
+
+    def tree_logits_steps(self, tokens: Sequence[int], parents: Sequence[int]) -> Steps[np.ndarray]:
+        return self.tree_logits(tokens, parents)
+        yield
+
+
 class Runner(Protocol):
     """A shared context: runs the submissions of one tick as one batch (under Lockstep.lock). A `leads` runner's
     batches run before the others' (a draft model's: see Lockstep)."""
@@ -99,6 +145,44 @@ class Runner(Protocol):
 
     def run(self, subs: list[Submission]) -> Sequence[int]:
         """Run `subs`; the tokens each sequence ran, by sequence id, pads included."""
+
+
+class Ended:
+    """A task's last output: how it ended (an exception for its reader to raise, or None)."""
+
+    def __init__(self, error: BaseException | None = None) -> None:
+        self.error = error
+
+
+class Task:
+    """A generation the decode thread runs (Lockstep.spawn): iterate over it for what its coroutine yields besides
+    submissions, in order (its exception raised at the end); close() stops it at its next item."""
+
+    def __init__(self, steps: Iterator[Any], lockstep: Lockstep, put: Callable[[Any], None] | None = None) -> None:
+        """`put`: where its outputs go (its own queue, which iterating reads, when None)."""
+        self.steps, self.lockstep = steps, lockstep
+        self.out: queue.SimpleQueue = queue.SimpleQueue()  # unbounded: the decode thread never waits for a reader
+        self.put = put or self.out.put
+        self.waiting: Submission | None = None  # the submission its coroutine waits on
+        self.closing = False
+        self.ended = threading.Event()
+
+    def __iter__(self) -> Iterator[Any]:
+        while True:
+            item = self.out.get()
+            if isinstance(item, Ended):
+                if item.error is not None:
+                    raise item.error
+                return
+            yield item
+
+    def close(self) -> None:
+        """Stop the generation at its next item (its coroutine closed on the decode thread: its cleanup runs there,
+        between decodes) and wait until it has stopped."""
+        if not self.ended.is_set():
+            self.closing = True
+            self.lockstep._wake()
+            self.ended.wait()
 
 
 @dataclass
@@ -114,35 +198,42 @@ class _Tick:
 
 
 class Lockstep:
-    """The rendezvous of the member threads of a set of shared contexts, and the one thread that decodes for them.
+    """The scheduler of a set of shared contexts: the one thread that decodes for them, runs its tasks (a pool's
+    generations) between ticks, and meets the member threads' submissions.
 
-    Drafts first: while any member waits on a `leads` runner (the draft model's context), a tick runs only those,
-    and the others' submissions wait for the next. So every slot's verification meets the others' in one target
-    batch however many tokens each drafted, as llama-server's loop drafts for every slot and then decodes one
+    Drafts first: while any task or member waits on a `leads` runner (the draft model's context), a tick runs only
+    those, and the others' submissions wait for the next. So every slot's verification meets the others' in one
+    target batch however many tokens each drafted, as llama-server's loop drafts for every slot and then decodes one
     batch. Otherwise a slot drafting k tokens verifies out of step with the others, alone in a batch of its own.
 
     Every tick runs on that thread: with llama.cpp's OpenMP build, a decode from another thread than the one that
-    decoded before runs at about half speed, so no decode may run on a member's own thread."""
+    decoded before runs at about half speed, so no decode may run on a member's own thread. The tasks' Python runs
+    there too, one after another: no slot waits for another's thread to be scheduled, nor for the interpreter."""
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
-        # two conditions on it, so that a submission wakes only the decode thread, and only when it completes a tick:
-        # with one condition for both, every submission woke every waiting member too (N^2 wake-ups a tick, each a
-        # turn of Python's lock)
-        self._ready = threading.Condition(self.lock)  # the decode thread waits here for a complete tick
-        self._ticked = threading.Condition(self.lock)  # members wait here for their tick to run
+        # members wait here for their tick to run (a submission wakes the decode thread only when it completes a tick)
+        self._ticked = threading.Condition(self.lock)
+        # the decode thread sleeps here when no tick is complete; wakers set the flag (a wake-up is never lost). Not
+        # on `lock`, which the decode thread takes again at once each turn: a thread waiting for it would starve
+        self._woken = threading.Condition(threading.Lock())
+        self._wake_flag = False
+        self._inbox: list[Task] = []  # tasks spawned, not yet running (appended under _woken's lock)
         self._members = 0
         self.held = 0  # slots held by a generation (EnginePool.slot), members or about to be
         self._tick = _Tick()
         self._local = threading.local()
         self._runner: threading.Thread | None = None
+        self._tasks: list[Task] = []
+        self._current: Task | None = None  # the task the decode thread is running on
         self.n_ticks = 0  # ticks run
         self.decode_seconds = 0.0  # every tick's batches, all contexts: the rest of a busy pool's time is the slots'
 
     def others(self) -> int:
-        """Threads taking part now (each generating slot's), the calling one aside; or, where more, the other slots
-        held (EnginePool.slot): requests that arrive together begin before the others take part."""
-        return max(self._members - (getattr(self._local, "depth", 0) > 0), self.held - 1)
+        """Generations taking part now (tasks and member threads), the calling one aside; or, where more, the other
+        slots held (EnginePool.slot): requests that arrive together begin before the others take part."""
+        tasks = len(self._tasks) + len(self._inbox) - (self._current is not None)
+        return max(tasks + self._members - (getattr(self._local, "depth", 0) > 0), self.held - 1)
 
     @contextmanager
     def member(self) -> Iterator[None]:
@@ -159,20 +250,76 @@ class Lockstep:
             if depth == 0:
                 with self.lock:
                     self._members -= 1
-                    self._ready.notify()  # the decode thread may have waited for this member only
+                self._wake()  # the decode thread may have waited for this member only
 
     def submit(self, runner: Runner, sub: Submission) -> Submission:
         """Queue `sub` for `runner`'s next batch and wait until it has run; `sub` comes back with its results."""
+        if threading.current_thread() is self._runner:  # it would wait for itself
+            raise RuntimeError("a task's decode is yielded (a lockstep.Steps coroutine), not submitted")
         with self.member():
             with self.lock:
-                entry = self._tick.pending.setdefault(id(runner), (runner, []))
-                entry[1].append(sub)
+                self._queue(runner, sub)
                 self._start()
-                if self._tick.waiting >= self._members:
-                    self._ready.notify()
+                if self._tick.waiting - len(self._tasks) >= self._members:
+                    self._wake()
                 while not sub.done:
                     self._ticked.wait()
         return sub
+
+    def spawn(self, steps: Iterator[Any], put: Callable[[Any], None] | None = None) -> Task:
+        """Run `steps` (a generation: it yields the submissions it waits on, and its outputs) on the decode thread,
+        every tick beside the other tasks and members; its outputs, then an Ended, go to `put` (else read them from
+        the Task)."""
+        task = Task(steps, self, put)
+        with self._woken:
+            self._inbox.append(task)
+        self._wake()
+        if self._runner is None:  # (once running, the decode thread holds `lock` nearly always: no wait for it)
+            with self.lock:
+                self._start()
+        return task
+
+    def _wake(self) -> None:
+        """Wake the decode thread (or keep it from sleeping): something changed."""
+        with self._woken:
+            self._wake_flag = True
+            self._woken.notify()
+
+    def _advance(self) -> None:
+        """Run each task whose submission has run (or that has not started) until it waits on its next one; a task
+        that ends, fails or is closing (at its next output) leaves."""
+        for task in list(self._tasks):
+            if task.waiting is not None:
+                if not task.waiting.done:
+                    continue
+                task.waiting = None
+            self._current = task
+            try:
+                for item in task.steps:
+                    if isinstance(item, Submission):
+                        task.waiting = item
+                        self._queue(item.runner, item)
+                        break
+                    if task.closing:
+                        task.steps.close()
+                        self._end(task, None)
+                        break
+                    task.put(item)
+                else:
+                    self._end(task, None)
+            except BaseException as e:  # the reader raises it
+                self._end(task, e)
+            finally:
+                self._current = None
+
+    def _end(self, task: Task, error: BaseException | None) -> None:
+        self._tasks.remove(task)
+        task.put(Ended(error))
+        task.ended.set()
+
+    def _queue(self, runner: Runner, sub: Submission) -> None:
+        entry = self._tick.pending.setdefault(id(runner), (runner, []))
+        entry[1].append(sub)
 
     def _start(self) -> None:
         if self._runner is None:
@@ -180,34 +327,47 @@ class Lockstep:
             self._runner.start()
 
     def _run_ticks(self) -> None:
-        """The decode thread: run a tick whenever every member waits on one (holding the lock while it runs)."""
-        with self.lock:
-            while True:
+        """The decode thread: run the tasks on, then a tick whenever every task and every member waits on one
+        (holding the lock meanwhile); else sleep until woken."""
+        while True:
+            with self._woken:
+                self._wake_flag = False
+                self._tasks += self._inbox
+                self._inbox.clear()
+            with self.lock:
+                self._advance()  # every task left waits on one submission of this tick
                 tick = self._tick
-                if tick.waiting == 0 or tick.waiting < self._members:
-                    self._ready.wait()
-                    continue
-                leading = {k: e for k, e in tick.pending.items() if e[0].leads}
-                running = leading or tick.pending  # drafts first: the rest wait for a tick with no drafts
-                self._tick = _Tick({k: e for k, e in tick.pending.items() if k not in running})
+                ready = tick.waiting > 0 and tick.waiting - len(self._tasks) >= self._members
+                if ready:
+                    self._run_tick(tick)
+            if not ready:
+                with self._woken:
+                    while not self._wake_flag:
+                        self._woken.wait()
+
+    def _run_tick(self, tick: _Tick) -> None:
+        """Run the tick's batches, one per context (drafts first), and mark their submissions done."""
+        leading = {k: e for k, e in tick.pending.items() if e[0].leads}
+        running = leading or tick.pending  # drafts first: the rest wait for a tick with no drafts
+        self._tick = _Tick({k: e for k, e in tick.pending.items() if k not in running})
+        try:
+            for runner, subs in running.values():
+                t0 = time.perf_counter()
+                shape: tuple[int, ...] = ()  # the whole batch as it ran: per sequence, pads included
                 try:
-                    for runner, subs in running.values():
-                        t0 = time.perf_counter()
-                        shape: tuple[int, ...] = ()  # the whole batch as it ran: per sequence, pads included
-                        try:
-                            shape = tuple(runner.run(subs))
-                        except Exception:  # the submissions keep rc -1: each member raises its decode's error
-                            pass
-                        seconds = time.perf_counter() - t0
-                        self.decode_seconds += seconds
-                        for s in subs:
-                            s.seconds, s.shape = seconds, BatchShape(shape, self.n_ticks)
-                    self.n_ticks += 1
-                finally:
-                    for _, subs in running.values():
-                        for s in subs:
-                            s.done = True
-                    self._ticked.notify_all()
+                    shape = tuple(runner.run(subs))
+                except Exception:  # the submissions keep rc -1: each member raises its decode's error
+                    pass
+                seconds = time.perf_counter() - t0
+                self.decode_seconds += seconds
+                for s in subs:
+                    s.seconds, s.shape = seconds, BatchShape(shape, self.n_ticks)
+            self.n_ticks += 1
+        finally:
+            for _, subs in running.values():
+                for s in subs:
+                    s.done = True
+            self._ticked.notify_all()
 
 
 def micro_batches(lanes: Sequence[int]) -> list[int]:

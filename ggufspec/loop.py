@@ -1,6 +1,8 @@
 """The generation loop: prefill, then per step a plan, a proposal, one target pass, and what it committed.
 
 Reads like mlx-lm's `speculative_generate_step`; every method is this loop with other proposers and another policy.
+In a pool's slot it also yields each Submission its decodes wait on (lockstep.Steps: the pool's decode thread runs
+every slot's generation so, one batch per tick); on contexts of their own, only verdicts.
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from copy import copy
 
+from .lockstep import Submission
 from .policy import Policy, Timing
 from .proposers import NO_DRAFT, Context, Counters, Proposer
 from .verifier import Verdict, Verifier
@@ -16,14 +19,14 @@ from .verifier import Verdict, Verifier
 def generate_steps(
     prompt: list[int], verifier: Verifier, proposers: dict[str, Proposer], policy: Policy, limit: int,
     prefilled: Callable[[], None] = lambda: None,
-) -> Iterator[Verdict]:
+) -> Iterator[Verdict | Submission]:
     """Yield what each target pass commits, at most `limit` tokens in all; `prefilled` is called once the prompt is
     in the caches. The prompt's last token is decoded by the first pass, so every position is decoded once."""
     context, last = prompt[:-1], prompt[-1]
     warm = policy.begin(context, proposers)
-    verifier.prefill(context)
+    yield from verifier.prefill_steps(context)
     for name, proposer in proposers.items():
-        proposer.begin(context, name in warm)
+        yield from proposer.begin_steps(context, name in warm)
     prefilled()
     hidden = None  # the target's hidden state at the row that picked `last` (none before the first pass)
     while limit > 0:
@@ -31,8 +34,8 @@ def generate_steps(
         plan = policy.plan(state, limit, verifier.deferred)
         proposer = proposers.get(plan.source) if plan.source else None
         before = copy(proposer.counters) if proposer is not None else None
-        draft = proposer.propose(state, plan.k, plan.nodes) if proposer is not None else NO_DRAFT
-        verdict = verifier.verify(last, draft)
+        draft = (yield from proposer.propose_steps(state, plan.k, plan.nodes)) if proposer is not None else NO_DRAFT
+        verdict = yield from verifier.verify_steps(last, draft)
         if proposer is not None:
             proposer.accept(verdict.kept)
         timing = _timing(verdict, proposer.counters if proposer is not None else None, before)

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from .decoder import LlamaCppDecoder
+from .lockstep import Submission
 from .mtp import MtpDecoder
 from .policy import Policy
 from .stats import Stats
@@ -15,10 +16,15 @@ from .verifier import Verdict
 from .waiting import Wait
 
 
-def committed(steps: Iterator[Verdict], stats: Stats, is_stop: Callable[[int], bool]) -> Iterator[tuple[int | None, bool]]:
-    """Each step's tokens, and whether a draft proposed it (steps counted in `stats`); None at a stop token."""
+def committed(steps: Iterator[Verdict | Submission], stats: Stats, is_stop: Callable[[int], bool],
+              ) -> Iterator[tuple[int | None, bool] | Submission]:
+    """Each step's tokens, and whether a draft proposed it (steps counted in `stats`); None at a stop token. The
+    submissions a pool's slot waits on pass through (loop.generate_steps)."""
     try:
         for step in steps:
+            if isinstance(step, Submission):
+                yield step
+                continue
             stats.record(step.drafted, len(step.tokens) - 1)
             for i, tok in enumerate(step.tokens):
                 if is_stop(tok):

@@ -34,7 +34,7 @@ import numpy as np
 
 from .errors import ContextLengthError, GGUFSpecError
 from .history import common_prefix
-from .lockstep import NO_BATCH, Lockstep, LockstepSlot, Submission
+from .lockstep import NO_BATCH, DecodeSteps, Lockstep, LockstepSlot, Steps, Submission, run_steps
 
 if TYPE_CHECKING:
     from .decoder import LlamaCppDecoder
@@ -267,7 +267,7 @@ class _Shared:
             self.ctx = None
 
 
-class MtpDecoder(LockstepSlot):
+class MtpDecoder(DecodeSteps, LockstepSlot):
     """A target's MTP head as a Decoder (what the draft model's proposer drafts from: proposers.mtp). Its history is
     the tokens its cache holds, at positions 0.., each read with the target's hidden row at the position before it
     (`rows`, the target's HiddenRows); a guess past what the target has decoded is read with the head's own row of the
@@ -328,6 +328,10 @@ class MtpDecoder(LockstepSlot):
     def feed(self, tokens: Sequence[int], all_logits: bool = True, view: bool = False) -> np.ndarray:
         """Decode `tokens` after the history (each with the row before it, see the class); logits of every token (or
         the last), (n, V). `view` is accepted for Decoder's sake: the rows are copies."""
+        return run_steps(self.feed_steps(tokens, all_logits, view))
+
+    def feed_steps(self, tokens: Sequence[int], all_logits: bool = True, view: bool = False) -> Steps[np.ndarray]:
+        """feed as a decode coroutine (lockstep.Steps)."""
         n = len(tokens)
         if n == 0:
             raise ValueError("feed needs at least one token")
@@ -336,7 +340,7 @@ class MtpDecoder(LockstepSlot):
                                      f"{self.n_ctx} tokens (raise --n-ctx).")
         out = []
         for at in range(0, n, self._n_batch):  # without all_logits, each chunk's last row only (its own row)
-            logits = self._decode(list(map(int, tokens[at : at + self._n_batch])), all_logits)
+            logits = yield from self._decode(list(map(int, tokens[at : at + self._n_batch])), all_logits)
             if all_logits or at + self._n_batch >= n:
                 out.append(logits)
         return out[0] if len(out) == 1 else np.concatenate(out)
@@ -354,14 +358,15 @@ class MtpDecoder(LockstepSlot):
             rows[0] = self._own[1]
         return rows, exact
 
-    def _decode(self, tokens: list[int], all_logits: bool) -> np.ndarray:
+    def _decode(self, tokens: list[int], all_logits: bool) -> Steps[np.ndarray]:
         start, n = len(self.history), len(tokens)
         rows, exact = self._inputs(start, n)
         outputs = [all_logits or i == n - 1 for i in range(n)]
         positions = range(start, start + n)
         if self._runner is not None:
-            sub = Submission(tokens, positions, [[self._seq]] * n, outputs, lane=self._seq, embd=rows)
-            self._lockstep.submit(self._runner, sub)
+            sub = Submission(tokens, positions, [[self._seq]] * n, outputs, lane=self._seq, embd=rows,
+                             lockstep=self._lockstep, runner=self._runner)
+            yield sub
             self.decode_seconds += sub.seconds
             self.n_batched_tokens += sub.shape.tokens
             self.last_batch, rc = sub.shape, sub.rc
@@ -391,12 +396,15 @@ class MtpDecoder(LockstepSlot):
 
     def sync(self, tokens: Sequence[int], view: bool = False) -> np.ndarray:
         """Make the history `tokens`, keeping the common prefix made with the target's rows; logits after the last."""
+        return run_steps(self.sync_steps(tokens, view))
+
+    def sync_steps(self, tokens: Sequence[int], view: bool = False) -> Steps[np.ndarray]:
         tokens = list(tokens)
         if not tokens:
             raise ValueError("sync needs at least one token")
         keep = min(common_prefix(self.history, tokens), self._exact, len(tokens) - 1)
         self.rollback_to(keep)
-        return self.feed(tokens[keep:], all_logits=False)
+        return (yield from self.feed_steps(tokens[keep:], all_logits=False))
 
     def unseen(self, tokens: Sequence[int]) -> int:
         """Tokens of `tokens` a sync would decode."""

@@ -1,9 +1,10 @@
 """`EnginePool`: N slots, each a `SpeculativeEngine` over its own sequences of shared target and draft contexts,
 generating side by side (continuous batching with speculation; see lockstep.py).
 
-Each generation runs the ordinary engine loop in a thread of its own; the slots' decodes meet in one target batch
-and one draft batch per tick. Each prompt's text is what it gets alone on one engine: each slot has a KV stream of
-its own (docs/exactness.md)."""
+Each generation runs the ordinary engine loop as a task of the lockstep's one decode thread, which runs every slot's
+step on until it waits on a decode, then one target batch (or one draft batch) for all of them: a scheduler step
+over every slot, as llama-server's `update_slots`. Each prompt's text is what it gets alone on one engine: each slot
+has a KV stream of its own (docs/exactness.md)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from .decoder import DecoderOptions, LlamaCppDecoder
 from .history import common_prefix
 from .engine import GenerationResponse, GenerationSettings, Prompt, SpeculativeEngine, with_mtp, with_snapshots
 from .errors import GGUFSpecError
-from .lockstep import Lockstep
+from .lockstep import Ended, Lockstep, Task
 from .mtp import MtpDecoder
 from .pairing import check_pair
 from .policy.auto import SlotRecords
@@ -176,21 +177,26 @@ class EnginePool:
 
     def run(self, slot: Slot, tokens: list[int], settings: GenerationSettings | None = None,
             cancelled: Callable[[], bool] = lambda: False) -> Iterator[GenerationResponse]:
-        """Generate in `slot` in the calling thread, which takes part in the slots' batches meanwhile: consume the
-        responses without blocking (the other slots wait for this thread at each step). Stops at the next token
-        once `cancelled()` is true."""
+        """Generate in `slot`: the generation runs on the pool's decode thread beside the other slots' (a task of the
+        lockstep), its responses come here as they are made. Stops at the next token once `cancelled()` is true, or
+        once the caller closes this iterator."""
         slot.prompt_tokens, slot.generated_tokens, slot.drafts_kept = len(tokens), 0, 0
-        with self.lockstep.member():
-            stream = slot.engine.stream(tokens, settings)
-            try:
-                for r in stream:
-                    slot.generated_tokens += r.token is not None
-                    slot.drafts_kept += r.from_draft
-                    yield r
-                    if r.finish_reason is not None or cancelled():
-                        break
-            finally:
-                stream.close()
+        task = self._spawn(slot, tokens, settings)
+        try:
+            for r in task:
+                slot.generated_tokens += r.token is not None
+                slot.drafts_kept += r.from_draft
+                yield r
+                if r.finish_reason is not None or cancelled():
+                    break
+        finally:
+            task.close()
+
+    def _spawn(self, slot: Slot, tokens: list[int], settings: GenerationSettings | None,
+               put: Callable[[object], None] | None = None) -> Task:
+        """`slot`'s generation of `tokens`, started on the decode thread (lockstep.Lockstep.spawn)."""
+        slot.engine.prepare(settings or slot.engine.settings)  # measured here, by this thread: see prepare
+        return self.lockstep.spawn(slot.engine.steps(tokens, settings), put)
 
     def stream_many(self, prompts: Iterable[Prompt], settings: GenerationSettings | None = None,
                     ) -> Iterator[tuple[int, GenerationResponse | Exception]]:
@@ -212,9 +218,11 @@ class EnginePool:
                     return
                 try:
                     tokens = self.engine.encode(prompt, self.engine.n_ctx)
-                    with self.slot(tokens) as slot:
-                        for r in self.run(slot, tokens, settings, stop.is_set):
-                            events.put((i, r))
+                    with self.slot(tokens) as slot:  # its responses go to `events` straight from the decode thread
+                        task = self._spawn(slot, tokens, settings, lambda item, i=i: events.put((i, item)))
+                        while not task.ended.wait(0.05):
+                            if stop.is_set():
+                                task.close()
                 except Exception as e:  # this prompt's failure: reported, the others go on
                     events.put((i, e))
 
@@ -226,6 +234,12 @@ class EnginePool:
         try:
             while done < n:
                 i, r = events.get()
+                if isinstance(r, Ended):  # after its last response; or its error
+                    if r.error is None:
+                        continue
+                    if not isinstance(r.error, Exception):
+                        raise r.error
+                    r = r.error
                 done += isinstance(r, Exception) or r.finish_reason is not None
                 yield i, r
         finally:

@@ -14,7 +14,7 @@ from .access import Access
 from .llama_context import Context, opened
 from .errors import ContextLengthError, GGUFSpecError
 from .history import common_prefix
-from .lockstep import LockstepSlot
+from .lockstep import LockstepSlot, Steps, run_steps
 from .mtp import HiddenRows
 from .recurrent import Rewind, Rollbacks
 
@@ -84,7 +84,17 @@ class KvSequence(LockstepSlot):
 
     # --- decoding -------------------------------------------------------------------------
 
+    # each call that may decode is a decode coroutine (lockstep.Steps: a pool's tasks run them) and a plain call
     def feed(self, tokens: Sequence[int], all_logits: bool = True, view: bool = False) -> np.ndarray:
+        return run_steps(self.feed_steps(tokens, all_logits, view))
+
+    def sync(self, tokens: Sequence[int], view: bool = False) -> np.ndarray:
+        return run_steps(self.sync_steps(tokens, view))
+
+    def rollback_to(self, n: int) -> None:
+        return run_steps(self.rollback_steps(n))
+
+    def feed_steps(self, tokens: Sequence[int], all_logits: bool = True, view: bool = False) -> Steps[np.ndarray]:
         if len(tokens) == 0:
             raise ValueError("feed needs at least one token")
         if self._tree is not None:
@@ -92,14 +102,14 @@ class KvSequence(LockstepSlot):
         pre = self._take_deferred() if self._deferred else []
         base = len(self.history)
         try:
-            rows = self._feed([*pre, *tokens] if pre else tokens, all_logits, view)
+            rows = yield from self._feed([*pre, *tokens] if pre else tokens, all_logits, view)
         except BaseException:
             self._restore_deferred(pre, base)
             raise
         self._skip = len(pre) if all_logits and len(pre) + len(tokens) <= self.options.n_batch else 0
         return rows[len(pre):] if all_logits and pre else rows
 
-    def _feed(self, tokens: Sequence[int], all_logits: bool, view: bool) -> np.ndarray:
+    def _feed(self, tokens: Sequence[int], all_logits: bool, view: bool) -> Steps[np.ndarray]:
         n = len(tokens)
         if len(self.history) + n > self.n_ctx:
             if self.shift_keep is None:
@@ -109,23 +119,23 @@ class KvSequence(LockstepSlot):
             self.shift(n)
         step = self.options.n_batch
         if n <= step:  # one batch (every step of a generation)
-            self._decode(tokens, all_logits)
+            yield from self._decode(tokens, all_logits)
             return self._access.logits(n if all_logits else 1, view)
         rows = []
         for start in range(0, n, step):
             chunk = tokens[start : start + step]
             last_chunk = start + step >= n
-            self._decode(chunk, all_logits)
+            yield from self._decode(chunk, all_logits)
             if all_logits or last_chunk:
                 rows.append(self._access.logits(len(chunk) if all_logits else 1, view and last_chunk))
         return rows[0] if len(rows) == 1 else np.concatenate(rows)
 
-    def _decode(self, tokens: Sequence[int], all_logits: bool) -> None:
+    def _decode(self, tokens: Sequence[int], all_logits: bool) -> Steps[None]:
         self._context()
         hidden = all_logits or len(tokens) == 1
         # until the history records the tokens, the cache may hold cells it does not (see rollback_to)
         self._unrecorded = True
-        rc = self._access.chain(tokens, len(self.history), all_logits, hidden)
+        rc = yield from self._access.chain(tokens, len(self.history), all_logits, hidden)
         if rc != 0:
             # llama.cpp leaves no partial batch in the KV on failure; the history stays as it was.
             raise GGUFSpecError(f"llama_decode failed with code {rc} at position {len(self.history)}")
@@ -138,13 +148,13 @@ class KvSequence(LockstepSlot):
         self._n_out = len(tokens) if hidden else 0  # hidden: every token's row, or the one token's
         self._skip = 0
 
-    def sync(self, tokens: Sequence[int], view: bool = False) -> np.ndarray:
+    def sync_steps(self, tokens: Sequence[int], view: bool = False) -> Steps[np.ndarray]:
         tokens = list(tokens)
         if not tokens:
             raise ValueError("sync needs at least one token")
         keep = min(common_prefix(self.history, tokens), len(tokens) - 1)  # re-decode one token for its logits
-        self.rollback_to(keep)
-        return self.feed(tokens[keep:], all_logits=False, view=view)
+        yield from self.rollback_steps(keep)
+        return (yield from self.feed_steps(tokens[keep:], all_logits=False, view=view))
 
     def hidden_states(self) -> np.ndarray:
         if not self.options.embeddings:
@@ -175,7 +185,7 @@ class KvSequence(LockstepSlot):
         del self.history[keep : keep + discard]
         self.n_shifts += 1
 
-    def rollback_to(self, n: int) -> None:
+    def rollback_steps(self, n: int) -> Steps[None]:
         if not 0 <= n <= len(self.history):
             raise ValueError(f"cannot roll back to {n}: the history holds {len(self.history)} tokens")
         self._end_tree()
@@ -183,7 +193,7 @@ class KvSequence(LockstepSlot):
             self.hidden_rows.cut(n)
         cached = len(self.history) - len(self._deferred)
         if self._rewind is not None:
-            self._rewind_to(n, cached)
+            yield from self._rewind_to(n, cached)
             return
         # _unrecorded: a decode was interrupted (Ctrl-C lands right after llama_decode returns) before the
         # history recorded it, so cells past the history may hold its tokens; any tree sequences go with them
@@ -195,7 +205,7 @@ class KvSequence(LockstepSlot):
         del self._deferred[max(n - cached, 0):]
         del self.history[n:]
 
-    def _rewind_to(self, n: int, cached: int) -> None:
+    def _rewind_to(self, n: int, cached: int) -> Steps[None]:
         """rollback_to on recurrent memory: the tokens of history[:n] that its snapshot or checkpoint does not hold
         (recurrent.Rewind.back) are deferred to the next feed, or decoded now where they are more than a verification
         batch's worth (a prefix reused from far back: the next feed may want every row's logits)."""
@@ -210,7 +220,7 @@ class KvSequence(LockstepSlot):
             del self.history[held:]
             self._deferred = []
             if len(again) > REDECODE_NOW:
-                self._feed(again[:-REDECODE_NOW], all_logits=False, view=True)
+                yield from self._feed(again[:-REDECODE_NOW], all_logits=False, view=True)
                 again = again[-REDECODE_NOW:]
             self.history.extend(again)
             self._deferred = again

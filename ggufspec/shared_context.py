@@ -1,5 +1,7 @@
 """`SharedContext`: the llama.cpp context that a decoder's slots share (LlamaCppDecoder.slots), run as a
-lockstep.Runner: one tick's submissions, every slot's, as ONE batch, each slot's rows copied back to its submission.
+lockstep.Runner: one tick's submissions, every slot's, as ONE batch, each slot's rows handed back to its submission
+(views of llama.cpp's buffer, valid until the context's next batch: no slot decodes again before it has read them,
+as on a context of its own).
 """
 
 from __future__ import annotations
@@ -108,24 +110,25 @@ class SharedContext:
 
     def _hand_back(self, subs: list[Submission], order: Order, ran: tuple[int, ...] | None, n: int,
                    hidden: bool) -> None:
-        """Copy each submission's rows out of the batch's n tokens' outputs."""
+        """Each submission's rows of the batch's n tokens' outputs: views of the logits and MTP rows (valid until the
+        next batch, which no slot of this tick runs before it has read its own), copies of the hidden states."""
         context = self.context
         # every token's hidden row, in batch order: each submission's own, its pads after
         if context.nextn_width is not None:
             rows, at = context.nextn(n), 0
             for seq, s in order:
                 if s is not None:
-                    s.nextn = rows[at : at + len(s.tokens)].copy()
+                    s.nextn = rows[at : at + len(s.tokens)]
                 at += ran[seq] if ran is not None else len(s.tokens)
         # llama.cpp keeps the output rows in batch order, each submission's together: one view of the batch, a slice
-        # copy each (a view and a stack per row cost several times as much, on every tick)
+        # each (a view and a stack per row cost several times as much, on every tick)
         counts = [sum(map(bool, s.outputs)) for s in subs]
         n_out = sum(counts)
         logits = context.logits(n_out)
         states = context.states(n_out) if hidden else None
         row = 0
         for s, k in zip(subs, counts):
-            s.logits = logits[row : row + k].copy()
+            s.logits = logits[row : row + k]
             if hidden and s.hidden:
                 s.states = states[row : row + k].copy()
             row += k

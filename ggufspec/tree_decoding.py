@@ -11,6 +11,7 @@ from typing import Sequence
 import numpy as np
 
 from .errors import ContextLengthError, GGUFSpecError
+from .lockstep import Steps, run_steps
 from .sequence import KvSequence
 
 
@@ -57,11 +58,16 @@ class TreeDecoding(KvSequence):
     tree is pending (`_tree`): a feed, a rollback or a reset drops it (KvSequence._end_tree)."""
 
     def tree_logits(self, tokens: Sequence[int], parents: Sequence[int]) -> np.ndarray:
+        return run_steps(self.tree_logits_steps(tokens, parents))
+
+    def tree_logits_steps(self, tokens: Sequence[int], parents: Sequence[int]) -> Steps[np.ndarray]:
+        """tree_logits as a decode coroutine (lockstep.Steps)."""
         self._end_tree()
         pre = self._take_deferred()  # decoded as a chain above the roots
         base = len(self.history)
         try:
-            logits = self._decode_tree([*pre, *tokens], [*range(-1, len(pre) - 1), *(p + len(pre) for p in parents)])
+            parents = [*range(-1, len(pre) - 1), *(p + len(pre) for p in parents)]
+            logits = yield from self._decode_tree([*pre, *tokens], parents)
         except BaseException:
             self._restore_deferred(pre, base)
             raise
@@ -69,7 +75,7 @@ class TreeDecoding(KvSequence):
         self._tree_pre, self._skip = pre, len(pre)
         return logits[len(pre):]
 
-    def _decode_tree(self, tokens: Sequence[int], parents: Sequence[int]) -> np.ndarray:
+    def _decode_tree(self, tokens: Sequence[int], parents: Sequence[int]) -> Steps[np.ndarray]:
         tree = TreeLayout.build(parents)
         if tree.n_leaves + 1 > self.options.n_seq_max:
             raise GGUFSpecError(
@@ -89,7 +95,7 @@ class TreeDecoding(KvSequence):
                 context.seq_cp(seq, seq + s)
         positions = [base + d for d in tree.depth]
         self._unrecorded = True
-        rc = self._access.tree(tokens, positions, [[seq + s for s in ids] for ids in tree.seq_ids])
+        rc = yield from self._access.tree(tokens, positions, [[seq + s for s in ids] for ids in tree.seq_ids])
         if rc != 0:
             context.drop(range(seq + 1, seq + tree.n_leaves + 1))
             raise GGUFSpecError(f"llama_decode failed with code {rc} on a tree of {len(tokens)} nodes")

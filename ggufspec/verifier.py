@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .decoder import Decoder, prefill
-from .lockstep import NO_BATCH, BatchShape
+from .decoder import Decoder, prefill_steps
+from .lockstep import NO_BATCH, BatchShape, Steps, run_steps
 from .proposers import Draft
 from .sampling import SamplingParams, argmax, pick, probabilities, sample, suppress
 from .trees import Tree, residual, walk
@@ -125,22 +125,30 @@ class Verifier:
 
     def prefill(self, context: list[int]) -> None:
         """Decode `context` into the target's cache, reusing its common prefix (an empty one empties it)."""
-        prefill(self.target, context)
-        self.deferred = 0
+        run_steps(self.prefill_steps(context))
 
     def verify(self, last: int, draft: Draft) -> Verdict:
         """One target pass over `last` and the draft: the tokens the target commits."""
+        return run_steps(self.verify_steps(last, draft))
+
+    def prefill_steps(self, context: list[int]) -> Steps[None]:
+        """prefill as a decode coroutine (lockstep.Steps: a pool's generations run so)."""
+        yield from prefill_steps(self.target, context)
+        self.deferred = 0
+
+    def verify_steps(self, last: int, draft: Draft) -> Steps[Verdict]:
+        """verify as a decode coroutine."""
         t = self.target
         seconds, decoded, batched = t.decode_seconds, t.n_decoded_tokens, t.n_batched_tokens
         if draft.tree is None:
-            tokens = self._chain(last, draft)
+            tokens = yield from self._chain(last, draft)
             row = len(tokens) - 1  # the cache keeps all but the last committed token; the last's row
             # a chain decodes the deferred tokens in front of it; on recurrent memory a rollback from a checkpoint
             # defers the tokens kept after it (Decoder.rollback_to)
             self.deferred = t.n_deferred
         else:
             nodes = np.array([last, *draft.tokens])
-            logits = suppress(t.tree_logits(nodes, draft.tree.parents), self.suppressed)
+            logits = suppress((yield from t.tree_logits_steps(nodes, draft.tree.parents)), self.suppressed)
             q = None if draft.q is None else [None, *pad_vocab(draft.q, logits.shape[-1])]
             if self.typical:
                 path, nxt = walk_typical(draft.tree, nodes, logits, self.params, self.rng)
@@ -153,16 +161,17 @@ class Verifier:
         return Verdict(tokens, draft.depth, t.decode_seconds - seconds, t.n_decoded_tokens - decoded, self.deferred,
                        hidden, t.n_batched_tokens - batched, t.last_batch, t.lane)
 
-    def _chain(self, last: int, draft: Draft) -> list[int]:
+    def _chain(self, last: int, draft: Draft) -> Steps[list[int]]:
         t, params, drafts = self.target, self.params, draft.tokens
         if not drafts:  # a plain step: nothing to judge, nothing to roll back
-            return [pick(suppress(t.feed([last], view=True)[-1], self.suppressed), params, self.rng)]
+            rows = yield from t.feed_steps([last], view=True)
+            return [pick(suppress(rows[-1], self.suppressed), params, self.rng)]
         t.hold(len(drafts))  # recurrent memory: what its snapshots of this batch will not undo, a checkpoint does
-        logits = suppress(t.feed([last, *drafts], view=True), self.suppressed)
+        logits = suppress((yield from t.feed_steps([last, *drafts], view=True)), self.suppressed)
         if params.greedy:
             new = accept_greedy(logits, drafts)
         else:
             q = None if draft.q is None else pad_vocab(draft.q, logits.shape[-1])
             new = accept_sampled(TargetRows(logits, params), q, drafts, self.rng)
-        t.rollback_to(len(t.history) - len(drafts) + len(new) - 1)
+        yield from t.rollback_steps(len(t.history) - len(drafts) + len(new) - 1)
         return new

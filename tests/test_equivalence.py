@@ -143,9 +143,13 @@ def test_greedy_auto_draft_trees(tiny_target, tiny_draft, monkeypatch) -> None:
     """`auto`'s draft trees commit the target's own greedy text (an f32 pair: only near-ties may differ)."""
     monkeypatch.setattr(DraftModelProposer, "reach_min", 0.9)  # a tree wherever the draft is not near-certain
     trees: list[int] = []
-    tree_logits = LlamaCppDecoder.tree_logits
-    monkeypatch.setattr(LlamaCppDecoder, "tree_logits",
-                        lambda self, tokens, parents: trees.append(len(tokens)) or tree_logits(self, tokens, parents))
+    tree_logits_steps = LlamaCppDecoder.tree_logits_steps
+
+    def counted(self, tokens, parents):  # the verifier's tree pass (a decode coroutine)
+        trees.append(len(tokens))
+        return (yield from tree_logits_steps(self, tokens, parents))
+
+    monkeypatch.setattr(LlamaCppDecoder, "tree_logits_steps", counted)
     rates = []
     with SpeculativeEngine.load(tiny_target, tiny_draft) as engine:
         for k in (2, 3, 6):  # each length from the optimistic costs: this machine's would soon turn trees off

@@ -38,16 +38,16 @@ def test_thousands_of_sampled_tokens_with_rollbacks(tiny_target, tiny_draft) -> 
     rss: list[float] = []
     engine = SpeculativeEngine.load(tiny_target, tiny_draft, DecoderOptions(n_ctx=TOKENS + 64))
     for dec in (engine.target, engine.draft):
-        original = dec.rollback_to
+        original = dec.rollback_steps  # what the loop's rollbacks run (decode coroutines)
 
-        def checked(n: int, _orig=original, _dec=dec) -> None:
-            _orig(n)
+        def checked(n: int, _orig=original, _dec=dec):
+            yield from _orig(n)
             checks["rollbacks"] += 1
             checks["bad"] += not _kv_matches_history(_dec)
             if checks["rollbacks"] % 500 == 0:
                 rss.append(_rss_mb())
 
-        dec.rollback_to = checked
+        dec.rollback_steps = checked
     # random weights sample the end-of-text token now and then (where, depends on the CPU's float
     # rounding); this run is about the KV cache, so it never stops early
     engine.target.vocab.is_eog = lambda token: False

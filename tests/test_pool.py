@@ -201,10 +201,11 @@ def test_a_generation_begins_priced_beside_the_slots_generating_then(tiny_target
         a, b = pool.slots
         assert a.engine.target.peers == b.engine.target.peers == 0
 
-        def run_a() -> None:
-            for _ in pool.run(a, pool.engine.encode(PROMPTS[0]), settings):
-                first.set()
-                go.wait(60)  # a stays a member, mid-generation, while b begins
+        def run_a() -> None:  # a member thread (a pool's task runs on without waiting for its reader)
+            with pool.lockstep.member():
+                for _ in a.engine.stream(pool.engine.encode(PROMPTS[0]), settings):
+                    first.set()
+                    go.wait(60)  # a stays a member, mid-generation, while b begins
 
         def run_b() -> None:
             list(pool.run(b, pool.engine.encode(PROMPTS[1]), settings))

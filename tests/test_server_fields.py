@@ -320,10 +320,10 @@ def timings(stats):  # a response with 5 tokens fails as it is answered
 
 app.timings = timings
 with SpeculativeEngine.load(sys.argv[1], options=DecoderOptions(n_ctx=512)) as engine:
-    real_stream = engine.stream
+    real_steps = engine.steps
 
-    def stream(tokens, settings):  # a request for 3 tokens fails in the engine after its second
-        inner = real_stream(tokens, settings)
+    def steps(tokens, settings):  # a request for 3 tokens fails in the engine after its second (the pool runs steps)
+        inner = real_steps(tokens, settings)
         try:
             for i, r in enumerate(inner):
                 if settings.max_tokens == 3 and i == 2:
@@ -332,7 +332,7 @@ with SpeculativeEngine.load(sys.argv[1], options=DecoderOptions(n_ctx=512)) as e
         finally:
             inner.close()
 
-    engine.stream = stream
+    engine.steps = steps
     serve(engine, GenerationSettings(max_tokens=16), "faulty", "127.0.0.1", 0, 2, None,
           Limits(max_body=1 << 20, timeout=60, max_connections=64), lambda line: print(line, file=sys.stderr, flush=True))
 """

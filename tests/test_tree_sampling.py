@@ -14,7 +14,7 @@ import pytest
 from scipy.stats import chisquare
 
 from conftest import open_decoder
-from ggufspec.lockstep import NO_BATCH
+from ggufspec.lockstep import NO_BATCH, DecodeSteps
 from ggufspec.proposers import Context
 from ggufspec.proposers.draft_model import DraftModelProposer
 from ggufspec.trees import build_tree, walk
@@ -125,7 +125,7 @@ def test_the_check_can_fail() -> None:
     assert chi_square_p(out, expected_pairs(params), N) < ALPHA
 
 
-class MemoDecoder:
+class MemoDecoder(DecodeSteps):
     """A real llama.cpp decoder whose logits are computed once per history (or tree) and then replayed, so that
     20,000 draws through the real drafter and walk take seconds: the numbers are llama.cpp's."""
 

@@ -142,7 +142,7 @@ class AutoPolicy:
         steps = not any(going_on)
         planned: dict[str, int] | None = {} if steps else None
         for name, record, slots in self.models() if steps else ():
-            records = (slots or {}).copy()  # one call under the GIL: other slots' threads add to it
+            records = (slots or {}).copy()  # one call under the GIL: a member thread's slot may add to it
             fellows = {i: r.acceptance for i, r in records.items() if i != self.lane}
             record.costs = SharedBatch(self._prices(record, costs), self.lanes, self.lane, follow=True, fellows=fellows)
             planned[name] = record.planned()

@@ -18,6 +18,7 @@ from ..trees import Tree
 
 if TYPE_CHECKING:
     from ..decoder import Decoder
+    from ..lockstep import Steps
     from ..medusa.heads import Heads
 
 
@@ -98,6 +99,25 @@ class Proposer(Protocol):
 
     def accept(self, n_kept: int) -> None:
         """The target kept the first n_kept tokens of the last proposal."""
+
+    # begin and propose as decode coroutines (lockstep.Steps), which a pool's generations run: a proposer that decodes
+    # nothing takes PlainSteps' (the plain calls)
+    def begin_steps(self, prompt: list[int], warm: bool) -> Steps[None]: ...
+
+    def propose_steps(self, context: Context, k: int, plan_nodes: np.ndarray | None = None) -> Steps[Draft]: ...
+
+
+class PlainSteps:
+    """begin_steps and propose_steps of a proposer that decodes nothing: its plain calls, waiting on no tick."""
+
+    def begin_steps(self, prompt: list[int], warm: bool) -> Steps[None]:
+        self.begin(prompt, warm)
+        return
+        yield  # never reached: a generator that waits on nothing
+
+    def propose_steps(self, context: Context, k: int, plan_nodes: np.ndarray | None = None) -> Steps[Draft]:
+        return self.propose(context, k, plan_nodes)
+        yield
 
 
 @dataclass

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..decoder import Decoder, prefill
+from ..decoder import Decoder, prefill_steps
 from ..history import common_prefix
 from ..sampling import SamplingParams, probabilities, sample, softmax, suppress
 from ..trees import ordered_tree
+from ..lockstep import Steps, run_steps
 from . import NO_DRAFT, Context, Counters, Draft
 
 # A draft tree follows the draft's best guesses while the draft itself gives the whole chain at least this chance,
@@ -31,8 +32,11 @@ class DraftModelProposer:
         self.counters = Counters()
 
     def begin(self, prompt: list[int], warm: bool) -> None:
+        run_steps(self.begin_steps(prompt, warm))
+
+    def begin_steps(self, prompt: list[int], warm: bool) -> Steps[None]:
         if warm:
-            prefill(self.draft, prompt)
+            yield from prefill_steps(self.draft, prompt)
 
     def accept(self, n_kept: int) -> None:
         self.counters.accepted += n_kept
@@ -42,11 +46,15 @@ class DraftModelProposer:
         return len(context) - common_prefix(self.draft.history, context)
 
     def propose(self, context: Context, k: int, plan_nodes: np.ndarray | None = None) -> Draft:
+        return run_steps(self.propose_steps(context, k, plan_nodes))
+
+    def propose_steps(self, context: Context, k: int, plan_nodes: np.ndarray | None = None) -> Steps[Draft]:
         if k <= 0:
             return NO_DRAFT
         d, c = self.draft, self.counters
         seconds, decodes, decoded, batched = d.decode_seconds, d.n_decodes, d.n_decoded_tokens, d.n_batched_tokens
-        draft = self._tree(context.tokens, k) if self.tree_leaves > 1 and k > 1 else self._chain(context.tokens, k)
+        tree = self.tree_leaves > 1 and k > 1
+        draft = yield from (self._tree(context.tokens, k) if tree else self._chain(context.tokens, k))
         c.seconds += d.decode_seconds - seconds
         c.decodes += d.n_decodes - decodes
         c.decoded += d.n_decoded_tokens - decoded
@@ -56,9 +64,9 @@ class DraftModelProposer:
         c.drafted += len(draft.tokens)
         return draft
 
-    def _chain(self, context: list[int], k: int) -> Draft:
+    def _chain(self, context: list[int], k: int) -> Steps[Draft]:
         params, rng = self.params, self.rng
-        logits = self._start(context, k)
+        logits = yield from self._start(context, k)
         tokens: list[int] = []
         qs: list[np.ndarray] = []
         while True:
@@ -69,14 +77,14 @@ class DraftModelProposer:
                 tokens.append(sample(qs[-1], rng))
             if len(tokens) == k or (self.p_min > 0 and softmax(logits).max() < self.p_min):
                 break
-            logits = self._logits(self.draft.feed([tokens[-1]], view=True))
+            logits = self._logits((yield from self.draft.feed_steps([tokens[-1]], view=True)))
         return Draft(tokens, q=np.stack(qs) if qs else None, source=self.name)
 
-    def _start(self, context: list[int], k: int) -> np.ndarray:
+    def _start(self, context: list[int], k: int) -> Steps[np.ndarray]:
         """The draft's logits after `context` (caught up on what it has not seen); where it will decode its own guesses
         after them (k > 1), the point to go back to after the verdict is held (a recurrent draft's checkpoint: its
         snapshots cannot undo single-token decodes)."""
-        rows = self.draft.sync(context, view=True)
+        rows = yield from self.draft.sync_steps(context, view=True)
         if k > 1:
             self.draft.hold()  # copies memory only: `rows`, a view of llama.cpp's outputs, stays valid
         return self._logits(rows)
@@ -85,7 +93,7 @@ class DraftModelProposer:
         """The last row's logits over the target's vocabulary, suppressed tokens at -inf."""
         return suppress(rows[-1, : self.n_vocab], self.suppressed)
 
-    def _tree(self, context: list[int], k: int) -> Draft:
+    def _tree(self, context: list[int], k: int) -> Steps[Draft]:
         """k nodes: the draft's chain (its best guesses when greedy, draws from its q when sampling) while its chance of
         being kept whole (the product of the draft's top probabilities) is at least reach_min, then runner-ups where
         the draft expects them to pay most (chance of the chain before them x their probability): the next-best
@@ -95,7 +103,7 @@ class DraftModelProposer:
         chain: list[int] = []
         dists: list[np.ndarray] = []  # per depth: the draft's distribution (its plain softmax when greedy)
         reach = [1.0]  # chance of the chain before each depth, then of the whole chain
-        logits = self._start(context, k)
+        logits = yield from self._start(context, k)
         while True:
             z = softmax(logits) if params.greedy else probabilities(logits, params)
             chain.append(int(z.argmax()) if params.greedy else sample(z, rng))
@@ -107,7 +115,7 @@ class DraftModelProposer:
             reach.append(reach[-1] * top)
             if len(chain) == k or reach[-1] < self.reach_min or top < self.p_min:
                 break
-            logits = self._logits(self.draft.feed([chain[-1]], view=True))
+            logits = self._logits((yield from self.draft.feed_steps([chain[-1]], view=True)))
         chain_only = Draft(chain, q=None if params.greedy else np.stack(dists), source=self.name)
         room = min(k - len(chain), self.tree_leaves - 1)  # every runner-up is a leaf, as is the chain's end
         if room <= 0:

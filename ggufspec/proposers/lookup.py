@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from . import NO_DRAFT, Context, Counters, Draft
+from . import NO_DRAFT, Context, Counters, Draft, PlainSteps
 
 # How far back a match is measured: a guess whose context repeats earlier text this long is a copy, not a chance
 # n-gram (the policy prices the two apart, and lets only copies run past the draft length)
@@ -68,7 +68,7 @@ def _bigrams(first: np.ndarray | int, second: np.ndarray | int) -> np.ndarray | 
     return ((first + 1) << 32) | (second + 1)
 
 
-class LookupProposer:
+class LookupProposer(PlainSteps):
     """Guesses from the text itself (and, given `answers`, from earlier answers where the text has no match):
     point-mass proposals, no model, no cost but the search."""
 
@@ -202,8 +202,9 @@ def _longest_latest(source: np.ndarray, hits: np.ndarray, ctx: np.ndarray, cap: 
     continuation starts, and how far back it matches.
 
     Counted without argmin or argmax: like np.searchsorted, and comparisons and nonzero over more than a few hundred
-    elements, they release the GIL, and in a pool each release hands the interpreter to another slot's thread, so
-    beside busy threads such a call takes several times its CPU time alone (docs/engine-overhead.md)."""
+    elements, they release the GIL, and each release may hand the interpreter to another busy thread (a server's
+    request threads, a member thread), so beside busy threads such a call takes several times its CPU time alone
+    (docs/engine-overhead.md)."""
     back = np.arange(cap)
     before = hits[:, None] - back
     same = (before >= 0) & (source[np.maximum(before, 0)] == ctx[np.maximum(len(ctx) - 1 - back, 0)])

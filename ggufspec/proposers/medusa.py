@@ -9,7 +9,7 @@ import numpy as np
 
 from ..medusa.heads import Heads
 from ..trees import Tree
-from . import NO_DRAFT, Context, Counters, Draft
+from . import NO_DRAFT, Context, Counters, Draft, PlainSteps
 
 
 def candidates(heads: Heads, tree: Tree, h: np.ndarray, root: int) -> np.ndarray:
@@ -23,7 +23,7 @@ def candidates(heads: Heads, tree: Tree, h: np.ndarray, root: int) -> np.ndarray
     return tokens
 
 
-class MedusaProposer:
+class MedusaProposer(PlainSteps):
     """Proposes the nodes of its static tree that the plan names; none before the target's first pass (no hidden
     state yet). The heads run for the whole tree: `Draft.candidates` holds every node's token for the policy."""
 

@@ -7,6 +7,7 @@ comes with the head's distribution as q, and the verifier's rejection sampling k
 
 from __future__ import annotations
 
+from ..lockstep import Steps
 from .draft_model import DraftModelProposer
 
 
@@ -21,7 +22,7 @@ class MtpProposer(DraftModelProposer):
         the target has judged since (read again with the target's rows)."""
         return self.draft.unseen(context)
 
-    def begin(self, prompt: list[int], warm: bool) -> None:
+    def begin_steps(self, prompt: list[int], warm: bool) -> Steps[None]:
         """Warm: the head reads the prompt now, from the target's rows of its prefill (kept until it does)."""
         if warm and prompt:
-            self.draft.sync(prompt)
+            yield from self.draft.sync_steps(prompt)

@@ -161,7 +161,7 @@ class Worker:
                 started = True
                 try:
                     with closing(self.pool.run(slot, tokens, job.settings, job.cancelled.is_set)) as responses:
-                        for r in responses:  # never blocks: the other slots wait for this thread at each step
+                        for r in responses:  # the generation runs on the pool's decode thread, whatever this one does
                             self._progress(job)
                             if r.finish_reason is not None:
                                 self._finish(job, completed=True)
