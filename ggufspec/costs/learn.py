@@ -51,8 +51,8 @@ class Ticks:
     """The last shared target batch and draft batch whose prices a cost model learned. A shared batch teaches its
     price once: learned from each of n slots at weight w, one slow tick would move a price 1 - (1 - w)^n of the way to
     its time (0.83 for 8 slots at 0.2), and the pool would act on that one tick for long. So do the draft batches of
-    slots drafting together. Atomic: the slots' threads report their shared tick at once. Never cached or copied (a
-    copy learns afresh)."""
+    slots drafting together. Atomic: member threads (cost measurements) may report a shared tick at once. Never
+    cached or copied (a copy learns afresh)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
