@@ -4,7 +4,7 @@ slots (SharedBatch), and the target's MTP head as the drafter (MtpPrices). What 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .table import CostModel, Prices
@@ -44,21 +44,44 @@ class SharedBatch(Prices):
     batches that ran in several micro-batches)."""
 
     def __init__(self, base: CostModel | MtpPrices, lanes: Sequence[int], lane: int, follow: bool = False,
-                 fellows: dict[int, Sequence[float]] | None = None) -> None:
+                 fellows: Mapping[int, Sequence[float]] | None = None) -> None:
+        """`fellows`: following, the busy slots' acceptance records by lane (this slot's too, where it has one)."""
         self.base, self.lane, self.follow = base, lane, follow  # a view of `base`: its prices, its learning
         self.lanes = list(lanes)  # a copy: step_seconds puts each priced chain in this slot's lane
-        busy = [i for i, n in enumerate(lanes) if n and i != lane]  # the other busy slots
-        self.busy = 1 + len(busy)  # slots in the batch, this one too
+        busy = [i for i, n in enumerate(lanes) if n]
+        self.busy = len(busy) + (not lanes[lane])  # slots in the batch, this one too
         # (k, free) -> step_seconds, until the base learns: a step's plan prices each length several times, and with
         # many slots on `auto` that pricing is a large share of each slot's Python time
         self._steps: dict[tuple[int, bool], float] = {}
-        # following: the other busy slots' acceptance records (a slot with none is priced by this slot's)
+        self._best: dict[tuple, tuple[int, float]] = {}  # best()'s answers
+        # following: the busy slots' acceptance records (a slot with none is priced by the record priced with)
         fellows = fellows or {}
-        self._fellows = [fellows[i] for i in busy if i in fellows]
-        self._strangers = len(busy) - len(self._fellows)
+        self._fellows = [fellows[i] for i in busy if i in fellows] if follow else []
+        self._strangers = self.busy - len(self._fellows)
         self._fellow_tokens: list[float] = []  # [k]: what the fellows commit, drafting k each (filled on first use)
         # not following: the log of the product of the other busy slots' tokens (their geometric mean's part)
-        self._others_log = sum(math.log(lanes[i]) for i in busy)
+        self._others_log = 0.0 if follow else sum(math.log(lanes[i]) for i in busy if i != lane)
+
+    @classmethod
+    def of(cls, base: CostModel | MtpPrices, lanes: Sequence[int], lane: int, tick: int, follow: bool = False,
+           fellows: Callable[[], Mapping[int, Sequence[float]]] = dict) -> SharedBatch:
+        """The view of batch `tick` (after `lanes`) from `lane`, made once and kept until `base` learns: following,
+        one for every slot of the tick (its prices are every slot's), so a tick's draft length is worked out once for
+        the whole pool; else one for each slot, shared by its records. `fellows()`: as __init__'s, read when made.
+        A view of its own where `tick` is -1 (no batch ran yet)."""
+        if tick < 0:
+            return cls(base, lanes, lane, follow, fellows())
+        mtp = isinstance(base, MtpPrices)
+        if follow:  # what the view prices is which slots are busy (and this one where it is not among them)
+            key: tuple = ("follow", mtp, tick, tuple(map(bool, lanes)), -1 if lanes[lane] else lane)
+        else:  # where every other slot adds as many tokens, which slot this is changes no price
+            others = {n for i, n in enumerate(lanes) if i != lane}
+            even = len(others) == 1 and 0 not in others
+            key = ("even", mtp, tick, len(lanes), *others) if even else ("beside", mtp, tick, tuple(lanes), lane)
+        view = base.views.get(key)
+        if view is None:
+            view = base.views[key] = cls(base, lanes, lane, follow, fellows())
+        return view
 
     @property
     def others(self) -> int:
@@ -98,13 +121,28 @@ class SharedBatch(Prices):
                 upto = max(k, len(self.base.verify) - 1)
                 self._fellow_tokens = [sum(t) for t in zip(*(self.expected_tokens_upto(upto, a) for a in self._fellows),
                                                            [0.0] * (upto + 1))]
-            return (tokens * (1 + self._strangers) + self._fellow_tokens[k]) / self.step_seconds(k, free)
+            return (tokens * self._strangers + self._fellow_tokens[k]) / self.step_seconds(k, free)
         mean = math.exp((math.log(tokens) + self._others_log) / self.busy)  # geometric, of the busy slots' tokens
         return self.busy * mean / self.step_seconds(k, free)
 
+    def best(self, acceptance: float | Sequence[float], k_max: int, k_min: int = 0, free: bool = False,
+             longer: Sequence[int] = ()) -> tuple[int, float]:
+        """Prices.best's, remembered with the view: following with every busy slot's record known, worked out once
+        for every slot; else once for each record's acceptance (a probe's is every slot's)."""
+        if self.follow and not self._strangers:
+            mine = None  # priced by the fellows' records alone
+        else:
+            mine = acceptance if isinstance(acceptance, (int, float)) else tuple(acceptance)
+        key = (mine, k_max, k_min, free, tuple(longer))
+        answer = self._best.get(key)
+        if answer is None:
+            answer = self._best[key] = super().best(acceptance, k_max, k_min, free, longer)
+        return answer
+
     def observe(self, *args: Any, **kwargs: Any) -> None:
-        """CostModel.observe's, to the base (this view's remembered step prices forgotten)."""
+        """CostModel.observe's, to the base (this view's remembered prices forgotten)."""
         self._steps.clear()
+        self._best.clear()
         self.base.observe(*args, **kwargs)
 
     def copy(self) -> CostModel:
@@ -125,6 +163,7 @@ class MtpPrices(Prices):
     catch_up = property(lambda self: self.base.mtp_catch_up or self.base.mtp)
     k_long = property(lambda self: self.base.k_long)
     micro_seconds = property(lambda self: self.base.micro_seconds)  # the base's prices, remembered there
+    views = property(lambda self: self.base.views)
     padded_seconds = property(lambda self: self.base.padded_seconds)
 
     def batch_seconds(self, n: int) -> float:

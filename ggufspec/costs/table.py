@@ -135,6 +135,7 @@ class CostModel(Prices):
         # worked out meanwhile goes to the old one): a pool's slots price the same few batches, several lengths
         # each, every step
         self._prices: dict[tuple, float] = {}
+        self.views: dict[tuple, Prices] = {}  # a pool's batches' views of these prices, as long (SharedBatch.of)
 
     def copy(self) -> CostModel:
         """An independent copy: the same tables, its own learning from here on (ticks and remembered prices afresh)."""
@@ -227,8 +228,9 @@ class CostModel(Prices):
                       learn.DraftPasses(draft_decodes, draft_s, draft_width, draft_tick, mtp), weight)
 
     def forget_prices(self) -> None:
-        """After learning: micro_seconds' and padded_seconds' remembered prices are worked out again."""
-        self._prices = {}
+        """After learning: micro_seconds' and padded_seconds' remembered prices, and the views priced from them, are
+        worked out again."""
+        self._prices, self.views = {}, {}
 
 
 # A pool's slots each price every other slot's record (SharedBatch), several lengths a step, and a record changes at

@@ -33,10 +33,19 @@ MODEL_NAMES = {"draft": "the draft model", "mtp": "the MTP head"}  # the draftin
 @dataclass
 class SlotRecords:
     """A pool's slots' drafting-model records by lane, each slot's policy registering its own (AutoPolicy.observe):
-    a slot prices the batch it shares by what each other slot's drafter keeps (SharedBatch)."""
+    a slot prices the batch it shares by what each other slot's drafter keeps (SharedBatch); and the pool's cost
+    models by context size, which every slot's steps teach and price from (a tick's views are made once there)."""
 
     draft: dict[int, AdaptiveLength] = field(default_factory=dict)  # the draft model's
     mtp: dict[int, AdaptiveLength] = field(default_factory=dict)  # the MTP heads'
+    contexts: dict[int, ContextCosts] = field(default_factory=dict)  # by id of the measured cost model
+
+    def context_costs(self, costs: CostModel) -> ContextCosts:
+        """The pool's cost models by context size, starting from `costs`."""
+        shared = self.contexts.get(id(costs))
+        if shared is None or shared.base is not costs:
+            shared = self.contexts[id(costs)] = ContextCosts(costs)
+        return shared
 
 
 class AutoPolicy:
@@ -56,7 +65,7 @@ class AutoPolicy:
         """`sizer`: Medusa's tree sizer (its heads draft too); `mtp`: the target's MTP head drafts; `slot_records`:
         a pool's, shared by its slots' policies; `peers`: how many other slots generate now (read at begin)."""
         self.k_max, self.sizer = k_max, sizer
-        self.context_costs = ContextCosts(costs)
+        self.context_costs = slot_records.context_costs(costs) if slot_records else ContextCosts(costs)
         # each kind of lookup match keeps its own record: a copy's guesses are kept far more often than a chance
         # n-gram's, and one record for all would let failed chance guesses keep lookup off through whole copies
         # chance n-gram matches, under PHRASE_MATCH tokens
@@ -74,16 +83,20 @@ class AutoPolicy:
         self.source: AdaptiveLength | None = None  # the record whose choice the target is judging
         self._unverified: list[tuple[AdaptiveLength, int, list[int]]] = []  # lookup guesses not verified: see plan
         self._proposed: tuple[AdaptiveLength, int, list[int]] | None = None  # the lookup guess just planned
-        self._records = tuple(r for r in (self.lookup_length, self.phrase_length, self.copy_length, self.model_length,
-                                          self.mtp_length) if r is not None)
+        self._lookup_records = (self.lookup_length, self.phrase_length, self.copy_length)
+        self._records = tuple(r for r in (*self._lookup_records, self.model_length, self.mtp_length) if r is not None)
         self.lookup = self.model = self.mtp = None  # this generation's proposers, consulted while planning
         # the last target batch's tokens per sequence and this slot's sequence there (EnginePool): steps are priced
         # per batch while other slots share it
         self.lanes: tuple[int, ...] = ()
         self.lane = 0
+        self.tick = -1  # the last target batch's number (-1: none yet, or one of its own)
         self._peers = peers
         self.peers = 0  # other slots generating when this generation began
         self.slot_records = slot_records
+        pool = slot_records
+        self._models = [m for m in (("draft", self.model_length, pool.draft if pool else None),
+                                    ("mtp", self.mtp_length, pool.mtp if pool else None)) if m[1] is not None]
         self._mtp_prices: dict[int, MtpPrices] = {}  # a view per cost model (ContextCosts keeps them)
         # this generation's steps by what drafted them (None: plain), and the steps lookup had a guess at: decision()
         self.steps: dict[str | None, int] = {}
@@ -108,10 +121,7 @@ class AutoPolicy:
 
     def models(self) -> list[tuple[str, AdaptiveLength, dict[int, AdaptiveLength] | None]]:
         """The drafting models: (source name, record, the pool's records of its slots by lane)."""
-        pool = self.slot_records
-        out = [("draft", self.model_length, pool.draft if pool else None),
-               ("mtp", self.mtp_length, pool.mtp if pool else None)]
-        return [m for m in out if m[1] is not None]
+        return self._models
 
     def _prices(self, record: AdaptiveLength, costs: CostModel) -> CostModel | MtpPrices:
         """`costs` as `record` reads them: the MTP head's record at its own steps' prices."""
@@ -142,9 +152,10 @@ class AutoPolicy:
         steps = not any(going_on)
         planned: dict[str, int] | None = {} if steps else None
         for name, record, slots in self.models() if steps else ():
-            records = (slots or {}).copy()  # one call under the GIL: a member thread's slot may add to it
-            fellows = {i: r.acceptance for i, r in records.items() if i != self.lane}
-            record.costs = SharedBatch(self._prices(record, costs), self.lanes, self.lane, follow=True, fellows=fellows)
+            # every slot's record (one copy under the GIL: a member thread's slot may add to it)
+            fellows = lambda slots=slots or {}: {i: r.acceptance for i, r in slots.copy().items()}  # noqa: E731
+            record.costs = SharedBatch.of(self._prices(record, costs), self.lanes, self.lane, self.tick, follow=True,
+                                          fellows=fellows)
             planned[name] = record.planned()
         # Lookup's guesses are priced beside the others' steps as the draft model's shared choice makes them (k + 1
         # tokens each, or 1), not as their last chains: those were lookup's guesses too, which rarely continue in
@@ -152,9 +163,11 @@ class AutoPolicy:
         # for more target time than plain batching.
         k = max(planned.values(), default=0) if planned else 0
         lanes = [n if i == self.lane or going_on[i] else (k + 1 if n else 0) for i, n in enumerate(self.lanes)]
-        for length in self._records:
-            if not steps or all(length is not r for _, r, _ in self.models()):
-                length.costs = SharedBatch(self._prices(length, costs), lanes, self.lane)
+        beside = SharedBatch.of(costs, lanes, self.lane, self.tick)
+        for length in self._lookup_records:
+            length.costs = beside
+        for _, record, _ in () if steps else self.models():
+            record.costs = SharedBatch.of(self._prices(record, costs), lanes, self.lane, self.tick)
         return planned
 
     def begin(self, prompt: list[int], proposers: dict[str, Proposer]) -> set[str]:
@@ -172,6 +185,7 @@ class AutoPolicy:
         self.steps, self.guessed = {}, 0
         self.peers = self._peers()
         self.lanes, self.lane = ((1,) * (1 + self.peers), 0) if self.peers else ((), 0)
+        self.tick = -1
         self.price_at(len(prompt) + 1)
         return {name for name, record, _ in self.models() if self._proposer(name) is not None and record.planned() > 0}
 
@@ -250,7 +264,7 @@ class AutoPolicy:
         return Plan(best[1], best[3])
 
     def observe(self, plan: Plan, draft: Draft, verdict: Verdict, timing: Timing | None) -> None:
-        self.lanes, self.lane = verdict.shape.lanes, verdict.lane
+        self.lanes, self.lane, self.tick = verdict.shape.lanes, verdict.lane, verdict.shape.tick
         for _, record, slots in self.models() if verdict.shape.lanes else ():
             if slots is not None:
                 slots[self.lane] = record
