@@ -101,6 +101,7 @@ class AutoPolicy:
         # this generation's steps by what drafted them (None: plain), and the steps lookup had a guess at: decision()
         self.steps: dict[str | None, int] = {}
         self.guessed = 0
+        self.unsearched = 0  # steps whose batch left lookup no guess worth searching for (_lookup_may_pay)
 
     @property
     def k_cap(self) -> int:
@@ -182,7 +183,7 @@ class AutoPolicy:
             length.restart()
         self._unverified.clear()
         self.source = self._proposed = None
-        self.steps, self.guessed = {}, 0
+        self.steps, self.guessed, self.unsearched = {}, 0, 0
         self.peers = self._peers()
         self.lanes, self.lane = ((1,) * (1 + self.peers), 0) if self.peers else ((), 0)
         self.tick = -1
@@ -226,8 +227,10 @@ class AutoPolicy:
         # the drafting models' lengths, priced once a step: _catch_up_pays and choose take them from here
         planned = self.price_at(len(context))
         self._judge_unverified(context)
-        guess = self.lookup.find(context, k)
-        match = self.lookup.match
+        reach = self._lookup_may_pay()
+        self.unsearched += not reach
+        guess = self.lookup.find(context, k) if reach else []
+        match = self.lookup.match if reach else 0
         self.guessed += bool(guess)
         self.source = (self.copy_length if match >= LONG_MATCH else
                        self.phrase_length if match >= PHRASE_MATCH else self.lookup_length)
@@ -241,6 +244,16 @@ class AutoPolicy:
         if guess:
             self._unverified.append(judged_later)
         return self._model_plan(context, room, min(k, self.k_max - deferred), planned)
+
+    def _lookup_may_pay(self) -> bool:
+        """Whether any lookup guess could pay in the batch priced: where even one of the longest kept whole would not
+        (beside many busy slots on a CPU), the search is skipped, and so is what its records would learn from it. Worked
+        out once a tick for a pool's slots (the view remembers it); a batch of its own always searches."""
+        c, longer = self.copy_length.costs, self.copy_length.longer
+        if not c.shared:
+            return True
+        _, best = c.best(1.0, self.k_max, k_min=1, free=True, longer=longer)
+        return best >= SHARED_GAIN * c.rate(0, 1.0)
 
     def _model_plan(self, context: list[int], room: int, k: int, planned: dict[str, int] | None) -> Plan:
         """The drafting model whose chain is expected to commit the most tokens a second, of those whose catching up
@@ -305,7 +318,7 @@ class AutoPolicy:
         """Why `record` (a drafting model's, or lookup's chance matches) drafted nothing: no guess to verify, what a
         batch costs here against the best a draft could keep, or against what its drafts were expected to keep."""
         model = any(record is r for _, r, _ in self.models())
-        if not model and not self.guessed:
+        if not model and not self.guessed and not self.unsearched:
             return "the text did not repeat itself, so lookup had nothing to guess"
         c, free = record.costs, record.free
         k = c.best_k(OPTIMISTIC, self.k_max, k_min=1, free=free)  # the length most likely to pay
