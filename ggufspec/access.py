@@ -39,10 +39,11 @@ class Access(Protocol):
     n_batched_tokens: int
     last_batch: BatchShape
 
-    def chain(self, tokens: Sequence[int], start: int, all_logits: bool, hidden: bool) -> Steps[int]:
+    def chain(self, tokens: Sequence[int], start: int, all_logits: bool, hidden: bool,
+              picks: bool = False) -> Steps[int]:
         """Decode `tokens` at positions start.. of the history's sequence, with rows for every token (all_logits) or
-        the last; `hidden`: their hidden states too. A decode coroutine (lockstep.Steps) that returns llama_decode's
-        return code."""
+        the last; `hidden`: their hidden states too; `picks`: each row's argmax, where the batch works them out (see
+        picks). A decode coroutine (lockstep.Steps) that returns llama_decode's return code."""
 
     def tree(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[Sequence[int]]) -> Steps[int]:
         """Decode `tokens`, each at its position in its sequences, with rows and hidden states for all of them (a
@@ -51,6 +52,10 @@ class Access(Protocol):
     def logits(self, n_rows: int, view: bool) -> np.ndarray:
         """The last decode's n_rows rows of logits; view=True: where they are a view of llama.cpp's buffer, not
         copied (valid until the next decode)."""
+
+    def picks(self, n_rows: int) -> np.ndarray | None:
+        """The argmax of each of the last decode's last n_rows rows, where its batch worked them out (a shared one,
+        asked by chain's `picks`); else None."""
 
     def states(self, n_out: int, skip: int) -> np.ndarray:
         """The hidden states of the last decode's n_out rows, but the first `skip`: a copy."""
@@ -84,7 +89,8 @@ class OwnAccess:
         self.decode_seconds = 0.0
         self.n_decodes = self.n_decoded_tokens = self.n_batched_tokens = 0
 
-    def chain(self, tokens: Sequence[int], start: int, all_logits: bool, hidden: bool) -> Steps[int]:
+    def chain(self, tokens: Sequence[int], start: int, all_logits: bool, hidden: bool,
+              picks: bool = False) -> Steps[int]:
         self.context.batch.fill(tokens, start, all_logits)
         return self._run(len(tokens), hidden)
         yield  # never reached: a context of its own decodes at once
@@ -110,6 +116,9 @@ class OwnAccess:
     def logits(self, n_rows: int, view: bool) -> np.ndarray:
         rows = self.context.logits(n_rows)
         return rows if view else rows.copy()
+
+    def picks(self, n_rows: int) -> np.ndarray | None:
+        return None  # the rows are read right after their decode: the reader takes their argmax
 
     def states(self, n_out: int, skip: int) -> np.ndarray:
         return opened(self.context).states(n_out)[skip:].copy()
@@ -147,18 +156,19 @@ class SlotAccess:
         self.last_batch = NO_BATCH
         self._sub: Submission | None = None  # the last decode, with its rows
 
-    def chain(self, tokens: Sequence[int], start: int, all_logits: bool, hidden: bool) -> Steps[int]:
+    def chain(self, tokens: Sequence[int], start: int, all_logits: bool, hidden: bool,
+              picks: bool = False) -> Steps[int]:
         n = len(tokens)
         return (yield from self._submit(tokens, range(start, start + n), [[self.seq]] * n,
-                                        [all_logits or i == n - 1 for i in range(n)], hidden))
+                                        [all_logits or i == n - 1 for i in range(n)], hidden, picks))
 
     def tree(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[Sequence[int]]) -> Steps[int]:
         return (yield from self._submit(tokens, positions, seq_ids, [True] * len(tokens), True))
 
     def _submit(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[Sequence[int]],
-                outputs: Sequence[bool], hidden: bool) -> Steps[int]:
+                outputs: Sequence[bool], hidden: bool, picks: bool = False) -> Steps[int]:
         """This slot's part of the next shared batch; llama_decode's return code."""
-        sub = Submission(tokens, positions, seq_ids, outputs, hidden, self.seq, lockstep=self.lockstep,
+        sub = Submission(tokens, positions, seq_ids, outputs, hidden, picks, self.seq, lockstep=self.lockstep,
                          runner=self.runner)
         try:
             yield sub
@@ -174,6 +184,10 @@ class SlotAccess:
     def logits(self, n_rows: int, view: bool) -> np.ndarray:
         rows = self._sub.logits  # the rows it asked for, n_rows of them: a view of the shared batch's
         return rows if view else rows.copy()
+
+    def picks(self, n_rows: int) -> np.ndarray | None:
+        picks = self._sub.picks
+        return picks[len(picks) - n_rows:] if picks is not None else None
 
     def states(self, n_out: int, skip: int) -> np.ndarray:
         return self._sub.states[skip:]

@@ -69,7 +69,13 @@ class Decoder(Protocol):
 
     # feed, sync and rollback_to as decode coroutines (lockstep.Steps), which a pool's tasks run (a decoder whose
     # decodes never wait on other slots' takes lockstep.DecodeSteps' defaults)
-    def feed_steps(self, tokens: Sequence[int], all_logits: bool = True, view: bool = False) -> Steps[np.ndarray]: ...
+    def feed_steps(self, tokens: Sequence[int], all_logits: bool = True, view: bool = False,
+                   picks: bool = False) -> Steps[np.ndarray]: ...
+
+    def picks(self, n_rows: int) -> np.ndarray | None:
+        """After feed_steps(..., picks=True): the argmax of each of the last n_rows rows it returned, worked out as its
+        batch ended (a slot's shared batch: a row read later, after the other slots' steps, is out of cache and took
+        three times as long), or None where it was not (the reader takes the rows' argmax itself)."""
 
     def sync_steps(self, tokens: Sequence[int], view: bool = False) -> Steps[np.ndarray]: ...
 

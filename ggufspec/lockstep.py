@@ -61,6 +61,7 @@ class Submission:
     seq_ids: Sequence[Sequence[int]]  # (n, *) the sequences each token belongs to
     outputs: Sequence[bool]  # (n,) which tokens' logits (and hidden states) come back
     hidden: bool = False  # hidden states too (the context's embeddings are turned on for the batch)
+    argmax: bool = False  # each row's argmax too (`picks`): worked out as the batch ends, while its rows are in cache
     # the submitting slot's own sequence (its lane): a tree's tokens sit in its leaves' sequences, after it
     lane: int = 0
     embd: np.ndarray | None = None  # (n, H) an MTP head's input: the hidden row each token is read with (mtp.py)
@@ -68,6 +69,7 @@ class Submission:
     rc: int = -1  # llama_decode's return code for the whole batch
     logits: np.ndarray | None = None  # (outputs, V) rows: a view of the batch's, valid until its context's next batch
     states: np.ndarray | None = None  # (outputs, H) with hidden
+    picks: np.ndarray | None = None  # (outputs,) with argmax
     # the hidden rows llama.cpp keeps for an MTP head: a target's of every token (record_hidden), a head's own of
     # those with `outputs`
     nextn: np.ndarray | None = None
@@ -119,9 +121,13 @@ class DecodeSteps:
     """Default decode coroutines for a decoder whose decodes never wait on a tick (a context of its own, a child
     process's): each runs the plain call. A slot of a shared context defines its own (sequence.KvSequence)."""
 
-    def feed_steps(self, tokens: Sequence[int], all_logits: bool = True, view: bool = False) -> Steps[np.ndarray]:
+    def feed_steps(self, tokens: Sequence[int], all_logits: bool = True, view: bool = False,
+                   picks: bool = False) -> Steps[np.ndarray]:
         return self.feed(tokens, all_logits, view)
         yield  # never reached: a generator that waits on nothing
+
+    def picks(self, n_rows: int) -> np.ndarray | None:
+        return None  # never worked out with the batch: the reader takes each row's argmax
 
     def sync_steps(self, tokens: Sequence[int], view: bool = False) -> Steps[np.ndarray]:
         return self.sync(tokens, view)

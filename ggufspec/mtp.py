@@ -330,8 +330,9 @@ class MtpDecoder(DecodeSteps, LockstepSlot):
         the last), (n, V). `view` is accepted for Decoder's sake: the rows are copies."""
         return run_steps(self.feed_steps(tokens, all_logits, view))
 
-    def feed_steps(self, tokens: Sequence[int], all_logits: bool = True, view: bool = False) -> Steps[np.ndarray]:
-        """feed as a decode coroutine (lockstep.Steps)."""
+    def feed_steps(self, tokens: Sequence[int], all_logits: bool = True, view: bool = False,
+                   picks: bool = False) -> Steps[np.ndarray]:
+        """feed as a decode coroutine (lockstep.Steps); its rows' argmax is never worked out with the batch (picks)."""
         n = len(tokens)
         if n == 0:
             raise ValueError("feed needs at least one token")

@@ -158,10 +158,10 @@ def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
     return i * SAMPLE_BLOCK + j
 
 
-def argmax(logits: np.ndarray) -> int:
-    """The greedy pick of one row of logits; DistributionError where that logit is not a finite number (numpy's argmax
-    picks the first NaN: a broken model would print junk)."""
-    best = int(logits.argmax())
+def argmax(logits: np.ndarray, best: int | None = None) -> int:
+    """The greedy pick of one row of logits (`best`, where its argmax was worked out already); DistributionError where
+    that logit is not a finite number (numpy's argmax picks the first NaN: a broken model would print junk)."""
+    best = int(logits.argmax()) if best is None else int(best)
     if not np.isfinite(logits[best]):
         raise DistributionError(f"the model's logits are not finite numbers (the top one is {logits[best]}): a damaged "
                                 "model file or a broken backend")

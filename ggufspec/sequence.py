@@ -94,7 +94,8 @@ class KvSequence(LockstepSlot):
     def rollback_to(self, n: int) -> None:
         return run_steps(self.rollback_steps(n))
 
-    def feed_steps(self, tokens: Sequence[int], all_logits: bool = True, view: bool = False) -> Steps[np.ndarray]:
+    def feed_steps(self, tokens: Sequence[int], all_logits: bool = True, view: bool = False,
+                   picks: bool = False) -> Steps[np.ndarray]:
         if len(tokens) == 0:
             raise ValueError("feed needs at least one token")
         if self._tree is not None:
@@ -102,14 +103,14 @@ class KvSequence(LockstepSlot):
         pre = self._take_deferred() if self._deferred else []
         base = len(self.history)
         try:
-            rows = yield from self._feed([*pre, *tokens] if pre else tokens, all_logits, view)
+            rows = yield from self._feed([*pre, *tokens] if pre else tokens, all_logits, view, picks)
         except BaseException:
             self._restore_deferred(pre, base)
             raise
         self._skip = len(pre) if all_logits and len(pre) + len(tokens) <= self.options.n_batch else 0
         return rows[len(pre):] if all_logits and pre else rows
 
-    def _feed(self, tokens: Sequence[int], all_logits: bool, view: bool) -> Steps[np.ndarray]:
+    def _feed(self, tokens: Sequence[int], all_logits: bool, view: bool, picks: bool = False) -> Steps[np.ndarray]:
         n = len(tokens)
         if len(self.history) + n > self.n_ctx:
             if self.shift_keep is None:
@@ -119,7 +120,7 @@ class KvSequence(LockstepSlot):
             self.shift(n)
         step = self.options.n_batch
         if n <= step:  # one batch (every step of a generation)
-            yield from self._decode(tokens, all_logits)
+            yield from self._decode(tokens, all_logits, picks)
             return self._access.logits(n if all_logits else 1, view)
         rows = []
         for start in range(0, n, step):
@@ -130,12 +131,12 @@ class KvSequence(LockstepSlot):
                 rows.append(self._access.logits(len(chunk) if all_logits else 1, view and last_chunk))
         return rows[0] if len(rows) == 1 else np.concatenate(rows)
 
-    def _decode(self, tokens: Sequence[int], all_logits: bool) -> Steps[None]:
+    def _decode(self, tokens: Sequence[int], all_logits: bool, picks: bool = False) -> Steps[None]:
         self._context()
         hidden = all_logits or len(tokens) == 1
         # until the history records the tokens, the cache may hold cells it does not (see rollback_to)
         self._unrecorded = True
-        rc = yield from self._access.chain(tokens, len(self.history), all_logits, hidden)
+        rc = yield from self._access.chain(tokens, len(self.history), all_logits, hidden, picks)
         if rc != 0:
             # llama.cpp leaves no partial batch in the KV on failure; the history stays as it was.
             raise GGUFSpecError(f"llama_decode failed with code {rc} at position {len(self.history)}")
@@ -155,6 +156,9 @@ class KvSequence(LockstepSlot):
         keep = min(common_prefix(self.history, tokens), len(tokens) - 1)  # re-decode one token for its logits
         yield from self.rollback_steps(keep)
         return (yield from self.feed_steps(tokens[keep:], all_logits=False, view=view))
+
+    def picks(self, n_rows: int) -> np.ndarray | None:
+        return self._access.picks(n_rows)
 
     def hidden_states(self) -> np.ndarray:
         if not self.options.embeddings:

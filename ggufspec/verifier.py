@@ -43,13 +43,14 @@ class Verdict:
         return len(self.tokens) - 1
 
 
-def accept_greedy(target_logits: np.ndarray, drafts: list[int]) -> list[int]:
-    """Drafts up to the first that differs from the target's argmax, then the target's own token."""
-    best = target_logits.argmax(axis=-1)
+def accept_greedy(target_logits: np.ndarray, drafts: list[int], best: np.ndarray | None = None) -> list[int]:
+    """Drafts up to the first that differs from the target's argmax (each row's: `best`, where worked out already),
+    then the target's own token."""
+    best = target_logits.argmax(axis=-1) if best is None else best
     n = 0
     while n < len(drafts) and drafts[n] == best[n]:
         n += 1
-    return drafts[:n] + [argmax(target_logits[n])]  # (checks the row the pick comes from: a NaN one is an error)
+    return drafts[:n] + [argmax(target_logits[n], best[n])]  # (checks the pick's logit: a NaN one is an error)
 
 
 def accept_sampled(p: Sequence[np.ndarray], q: np.ndarray | None, drafts: list[int],
@@ -163,13 +164,17 @@ class Verifier:
 
     def _chain(self, last: int, draft: Draft) -> Steps[list[int]]:
         t, params, drafts = self.target, self.params, draft.tokens
+        picks = params.greedy and self.suppressed is None  # each row's argmax, from the batch where it works them out
         if not drafts:  # a plain step: nothing to judge, nothing to roll back
-            rows = yield from t.feed_steps([last], view=True)
+            rows = yield from t.feed_steps([last], view=True, picks=picks)
+            if picks:
+                best = t.picks(1)
+                return [argmax(rows[-1], None if best is None else best[-1])]
             return [pick(suppress(rows[-1], self.suppressed), params, self.rng)]
         t.hold(len(drafts))  # recurrent memory: what its snapshots of this batch will not undo, a checkpoint does
-        logits = suppress((yield from t.feed_steps([last, *drafts], view=True)), self.suppressed)
+        logits = suppress((yield from t.feed_steps([last, *drafts], view=True, picks=picks)), self.suppressed)
         if params.greedy:
-            new = accept_greedy(logits, drafts)
+            new = accept_greedy(logits, drafts, t.picks(len(logits)) if picks else None)
         else:
             q = None if draft.q is None else pad_vocab(draft.q, logits.shape[-1])
             new = accept_sampled(TargetRows(logits, params), q, drafts, self.rng)
