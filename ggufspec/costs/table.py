@@ -135,7 +135,8 @@ class CostModel(Prices):
         # worked out meanwhile goes to the old one): a pool's slots price the same few batches, several lengths
         # each, every step
         self._prices: dict[tuple, float] = {}
-        self.views: dict[tuple, Prices] = {}  # a pool's batches' views of these prices, as long (SharedBatch.of)
+        # a pool's batches' views of these prices, and what its slots work out from them, as long (SharedBatch.of)
+        self.views: dict[tuple, object] = {}
 
     def copy(self) -> CostModel:
         """An independent copy: the same tables, its own learning from here on (ticks and remembered prices afresh)."""

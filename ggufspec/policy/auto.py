@@ -25,6 +25,10 @@ CATCH_UP_HORIZON = PROBE_EVERY_MAX
 # so that a probe after a long prompt does not cost a short answer more than it could win back.
 # docs/methods.md#measured-constants: PROBE_CATCH_UP_SHARE
 PROBE_CATCH_UP_SHARE = 0.1
+# _lookup_may_pay's answer stands this many ticks while the batch keeps its shape, and so does a pool's plan where no
+# model drafts (price_at): prices move a little every tick, and working them out cost a tick's first slot as much as
+# a plain step
+REACH_TICKS = 8
 MTP_MEMORY = 0.8  # the MTP head's record: each judged guess moves it 20% of the way (other records: 5%)
 SOURCE_NAMES = {"draft": "draft model", "lookup": "lookup", "medusa": "Medusa tree", "mtp": "MTP head"}  # decision()
 MODEL_NAMES = {"draft": "the draft model", "mtp": "the MTP head"}  # the drafting models, as decision() says them
@@ -39,6 +43,8 @@ class SlotRecords:
     draft: dict[int, AdaptiveLength] = field(default_factory=dict)  # the draft model's
     mtp: dict[int, AdaptiveLength] = field(default_factory=dict)  # the MTP heads'
     contexts: dict[int, ContextCosts] = field(default_factory=dict)  # by id of the measured cost model
+    # AutoPolicy.price_at's last answer for a batch of even lanes: (tick, planned lengths, the records' views, costs)
+    plans: dict[tuple, tuple] = field(default_factory=dict)
 
     def context_costs(self, costs: CostModel) -> ContextCosts:
         """The pool's cost models by context size, starting from `costs`."""
@@ -102,6 +108,7 @@ class AutoPolicy:
         self.steps: dict[str | None, int] = {}
         self.guessed = 0
         self.unsearched = 0  # steps whose batch left lookup no guess worth searching for (_lookup_may_pay)
+        self._reach: tuple[int, tuple, bool] | None = None  # _lookup_may_pay's last answer: (tick, shape, answer)
 
     @property
     def k_cap(self) -> int:
@@ -141,6 +148,25 @@ class AutoPolicy:
             for length in self._records:
                 length.costs = self._prices(length, costs)
             return None
+        # where every slot added as many tokens to the last batch, every slot's prices are the same: worked out by the
+        # tick's first slot, taken by the others; where no model drafts, for REACH_TICKS ticks (the views' prices are
+        # then a few ticks old; what the slots' steps teach still goes to the cost model)
+        pool = self.slot_records
+        even = pool is not None and self.tick >= 0 and self.lanes.count(self.lanes[0]) == len(self.lanes)
+        key = (id(costs), len(self.lanes), self.lanes[0], self.k_max, tuple(n for n, _, _ in self.models()))
+        kept = pool.plans.get(key) if even else None
+        if kept is not None and kept[3] is costs and (kept[0] == self.tick or kept[1] is not None and not any(
+                kept[1].values()) and 0 <= self.tick - kept[0] < REACH_TICKS):
+            for length, view in zip(self._records, kept[2]):
+                length.costs = view
+            return dict(kept[1]) if kept[1] is not None else None
+        planned = self._price_shared(costs)
+        if even:
+            pool.plans[key] = (self.tick, planned, tuple(length.costs for length in self._records), costs)
+        return planned
+
+    def _price_shared(self, costs: CostModel) -> dict[str, int] | None:
+        """price_at's, in a batch shared with other slots."""
         # the draft model's choice prices every slot drafting alike (SharedBatch) while each steps next (no other
         # slot's prompt going on): pricing each chain alone beside the others' last ones, two slots would swap turns,
         # each evening the other's last batch into a new uneven one.
@@ -247,13 +273,19 @@ class AutoPolicy:
 
     def _lookup_may_pay(self) -> bool:
         """Whether any lookup guess could pay in the batch priced: where even one of the longest kept whole would not
-        (beside many busy slots on a CPU), the search is skipped, and so is what its records would learn from it. Worked
-        out once a tick for a pool's slots (the view remembers it); a batch of its own always searches."""
+        (beside many busy slots on a CPU), the search is skipped, and so is what its records would learn from it.
+        Worked out again after REACH_TICKS ticks, or when the batch's shape changes (a pool's slots all at once: the
+        tick's view remembers it); a batch of its own always searches."""
         c, longer = self.copy_length.costs, self.copy_length.longer
         if not c.shared:
             return True
+        shape = (self.lanes, self.lane, id(c.base), longer)
+        if self._reach is not None and self._reach[1] == shape and 0 <= self.tick - self._reach[0] < REACH_TICKS:
+            return self._reach[2]
         _, best = c.best(1.0, self.k_max, k_min=1, free=True, longer=longer)
-        return best >= SHARED_GAIN * c.rate(0, 1.0)
+        reach = best >= SHARED_GAIN * c.rate(0, 1.0)
+        self._reach = (self.tick, shape, reach)
+        return reach
 
     def _model_plan(self, context: list[int], room: int, k: int, planned: dict[str, int] | None) -> Plan:
         """The drafting model whose chain is expected to commit the most tokens a second, of those whose catching up
