@@ -25,9 +25,9 @@ class SharedBatch(Prices):
     With `follow`, every slot in the batch is priced as drafting the same k: the draft model's choice while every
     slot is on steps. One slot's chain beside plain steps runs as a micro-batch of its own, so alone no slot would
     start drafting, even where all drafting together pays (where repacked kernels take 4 tokens for less than 2 or 3,
-    two slots' 2-token chains cost less than their 2 plain tokens). Each other slot commits what its own drafts are
-    expected to keep (`fellows`: their acceptance records, by lane; this slot's where a slot has none yet), so every
-    slot prices the same sum and, on the same costs and tick, chooses alike: priced by its own record alone, a slot
+    two slots' 2-token chains cost less than their 2 plain tokens). Each slot commits what its own drafts are
+    expected to keep (`fellows`: every slot's acceptance record by lane; the one priced with where a slot has none), so
+    every slot prices the same sum and, on the same costs and tick, chooses alike: priced by its own record alone, a slot
     whose drafts are kept more often than the others' drafts while they do not, and its chain runs as a pass of its
     own, a slower tick for every slot (docs/methods.md, "The draft model's length: every slot alike").
 
@@ -67,7 +67,8 @@ class SharedBatch(Prices):
            fellows: Callable[[], Mapping[int, Sequence[float]]] = dict) -> SharedBatch:
         """The view of batch `tick` (after `lanes`) from `lane`, made once and kept until `base` learns: following,
         one for every slot of the tick (its prices are every slot's), so a tick's draft length is worked out once for
-        the whole pool; else one for each slot, shared by its records. `fellows()`: as __init__'s, read when made.
+        the whole pool; else one for each slot, shared by its records (one for all where every other slot adds as
+        many tokens). `fellows()`: as __init__'s, read when made.
         A view of its own where `tick` is -1 (no batch ran yet)."""
         if tick < 0:
             return cls(base, lanes, lane, follow, fellows())
@@ -140,10 +141,12 @@ class SharedBatch(Prices):
         return answer
 
     def observe(self, *args: Any, **kwargs: Any) -> None:
-        """CostModel.observe's, to the base (this view's remembered prices forgotten)."""
-        self._steps.clear()
-        self._best.clear()
+        """CostModel.observe's, to the base (this view's remembered prices forgotten where it learned)."""
+        views = self.base.views
         self.base.observe(*args, **kwargs)
+        if self.base.views is not views:  # it learned (forget_prices), rather than a tick's other slot before
+            self._steps.clear()
+            self._best.clear()
 
     def copy(self) -> CostModel:
         return self.base.copy()

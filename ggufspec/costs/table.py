@@ -225,6 +225,8 @@ class CostModel(Prices):
         (`verify_s` their total), `tick` its number where shared; `draft_decodes` draft decodes took `draft_s`, each
         a batch of `draft_width` tokens, `draft_tick` the last one's number where shared; `mtp`: the drafter was the
         MTP head. Each price moves by `weight` (learn.observe says which, and how far)."""
+        if 0 <= tick == self.ticks.target and not draft_decodes:  # a tick's later slot: learned from its first
+            return
         learn.observe(self, learn.TargetPass(n_verify, verify_s, verify_seqs, verify_shapes, tick),
                       learn.DraftPasses(draft_decodes, draft_s, draft_width, draft_tick, mtp), weight)
 

@@ -107,8 +107,9 @@ class AdaptiveLength:
         if drafted:
             self._all_kept = accepted == drafted
         c = self.costs
-        spent = c.step_seconds(drafted, self.free)
-        if timing is not None:
+        if timing is None:
+            spent = c.step_seconds(drafted, self.free)
+        else:
             t = timing
             draft_s, decodes, tokens = (0.0, 0, 0) if self.free else (t.propose_seconds, t.draft_decodes, t.draft_tokens)
             spent = t.verify_seconds + draft_s  # what the step really cost, the draft's catching up included

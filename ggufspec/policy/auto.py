@@ -103,6 +103,7 @@ class AutoPolicy:
         pool = slot_records
         self._models = [m for m in (("draft", self.model_length, pool.draft if pool else None),
                                     ("mtp", self.mtp_length, pool.mtp if pool else None)) if m[1] is not None]
+        self._model_names = tuple(name for name, _, _ in self._models)
         self._mtp_prices: dict[int, MtpPrices] = {}  # a view per cost model (ContextCosts keeps them)
         # this generation's steps by what drafted them (None: plain), and the steps lookup had a guess at: decision()
         self.steps: dict[str | None, int] = {}
@@ -153,13 +154,13 @@ class AutoPolicy:
         # then a few ticks old; what the slots' steps teach still goes to the cost model)
         pool = self.slot_records
         even = pool is not None and self.tick >= 0 and self.lanes.count(self.lanes[0]) == len(self.lanes)
-        key = (id(costs), len(self.lanes), self.lanes[0], self.k_max, tuple(n for n, _, _ in self.models()))
+        key = (id(costs), len(self.lanes), self.lanes[0], self.k_max, self._model_names)
         kept = pool.plans.get(key) if even else None
         if kept is not None and kept[3] is costs and (kept[0] == self.tick or kept[1] is not None and not any(
                 kept[1].values()) and 0 <= self.tick - kept[0] < REACH_TICKS):
             for length, view in zip(self._records, kept[2]):
                 length.costs = view
-            return dict(kept[1]) if kept[1] is not None else None
+            return kept[1]  # (read only)
         planned = self._price_shared(costs)
         if even:
             pool.plans[key] = (self.tick, planned, tuple(length.costs for length in self._records), costs)
