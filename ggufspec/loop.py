@@ -48,13 +48,9 @@ def generate_steps(
 def _timing(verdict: Verdict, after: Counters | None, before: Counters | None) -> Timing:
     """What a step cost: the verifier's pass (the whole batch it rode in: its seconds are that batch's), and the
     proposer's work between its counters before and after."""
-    batch = max(verdict.batched, verdict.batch)
-    shapes = verdict.shape.passes() if verdict.shape.lanes else [(1, batch)]  # a context of its own: one pass
-    passes, seqs = len(shapes), shapes[0][0] if shapes else 1
-    split = tuple(shapes) if passes > 1 else ()
+    tokens = max(verdict.batched, verdict.batch)
     if after is None or before is None:
-        return Timing(verdict.seconds, batch, verify_passes=passes, verify_seqs=seqs, verify_shapes=split,
-                      verify_tick=verdict.shape.tick)
+        return Timing(verdict.seconds, tokens, batch=verdict.shape)
     decodes = after.decodes - before.decodes
-    return Timing(verdict.seconds, batch, after.seconds - before.seconds, decodes, after.decoded - before.decoded,
-                  passes, after.batched - before.batched, seqs, split, verdict.shape.tick, after.tick if decodes else -1)
+    return Timing(verdict.seconds, tokens, after.seconds - before.seconds, decodes, after.decoded - before.decoded,
+                  after.batched - before.batched, verdict.shape, after.tick if decodes else -1)

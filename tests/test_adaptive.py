@@ -257,7 +257,8 @@ AVX2 = CostModel(verify=[0.0539, 0.0980, 0.1398, 0.1405], draft=0.0103, long_siz
 def test_a_batch_run_in_several_micro_batches_teaches_no_batch_price() -> None:
     costs = CostModel(verify=[0.05, 0.09, 0.13, 0.14], draft=0.01)
     length = AdaptiveLength(costs, k_max=3)
-    length.update(1, 1, Timing(0.5, 4, 0.01, 1, 1, verify_passes=2))  # a 4-token batch that took two passes
+    # a slot's 3 tokens beside another's 1, in two passes: (2 sequences, 1 token each), then (1, 2)
+    length.update(1, 1, Timing(0.5, 4, 0.01, 1, 1, batch=BatchShape((1, 3))))
     assert costs.verify == [0.05, 0.09, 0.13, 0.14]
     length.update(1, 1, Timing(0.5, 4, 0.01, 1, 1))  # one pass: the same seconds move the price
     assert costs.verify[3] > 0.14
@@ -470,7 +471,7 @@ def test_fewer_slots_shapes_are_priced_as_their_ticks_ran() -> None:
     length.acceptance = [0.7] * 4
     assert length.planned() == 0
     for _ in range(20):
-        length.update(0, 0, Timing(0.147, 2, verify_seqs=2))  # plain steps of the two slots, in one pass
+        length.update(0, 0, Timing(0.147, 2, batch=BatchShape((1, 1))))  # plain steps of the two slots, in one pass
     assert pool.micro_seconds(2, 1) == pytest.approx(0.147, rel=0.02) and pool.shapes.keys() == {(2, 1)}
     length.costs = SharedBatch(pool, [1, 1], lane=0, follow=True)  # the next step's prices
     assert length.planned() == 1
@@ -486,17 +487,17 @@ def test_a_tick_of_several_passes_teaches_each_shape_by_how_far_their_sum_was_of
     assert even_lanes(lanes, pool.micro_seconds, 5) == tuple(lanes)  # two passes priced 0.19, one of 8: 0.232
     length = AdaptiveLength(pool, 4)
     for _ in range(10):  # the two passes take 0.33 s a tick
-        length.update(0, 0, Timing(0.33, 7, verify_passes=2, verify_shapes=tuple(micro_shapes(lanes))))
+        length.update(0, 0, Timing(0.33, 7, batch=BatchShape(tuple(lanes))))
     assert pool.shapes[3, 1] / pool.shapes[4, 1] == pytest.approx(0.9)  # each moved alike, toward the sum's time
     assert pool.shapes[3, 1] + pool.shapes[4, 1] > 0.3 and pool.slot_verify[0] == 0.232
     assert even_lanes(lanes, pool.micro_seconds, 5) == (1,) * 8  # the idle slot is padded now
-    chunk = Timing(2.0, 71, verify_passes=2, verify_shapes=tuple(micro_shapes([1, 1, 1, 68])))
+    chunk = Timing(2.0, 71, batch=BatchShape((1, 1, 1, 68)))
     learned = dict(pool.shapes)
     length.update(0, 0, chunk)
     assert pool.shapes == learned
     # one slot's 3-token chain beside 3 plain steps: (4, 1) then (1, 2), the 4 slots' tokens learn; one
     # sequence's 2 stay priced by `verify`
-    length.update(0, 0, Timing(0.5, 6, verify_passes=2, verify_shapes=tuple(micro_shapes([1, 1, 1, 3]))))
+    length.update(0, 0, Timing(0.5, 6, batch=BatchShape((1, 1, 1, 3))))
     assert pool.shapes.keys() == {(3, 1), (4, 1)} and pool.shapes[4, 1] > learned[4, 1]
 
 
@@ -509,11 +510,11 @@ def test_a_shared_tick_is_learned_once_however_many_slots_report_it() -> None:
     for lane, auto in enumerate(slots):  # tick 5: all 8 slots' plain tokens, 626 ms
         auto.source = auto.model_length
         auto.observe(PLAIN, NO_DRAFT, Verdict([0], 0, 0.626, 1, 0, batched=8, shape=BatchShape((1,) * 8, 5), lane=lane),
-                     Timing(0.626, 8, verify_seqs=8, verify_tick=5))
+                     Timing(0.626, 8, batch=BatchShape((1,) * 8, 5)))
     assert pool.slot_verify[0] == pytest.approx(0.29 * (0.626 / 0.29) ** 0.2)  # one step of 0.2, not eight
     assert pool.slot_verify[1] / pool.slot_verify[0] == pytest.approx(0.40 / 0.29)  # its chains alike
     slots[0].observe(PLAIN, NO_DRAFT, Verdict([0], 0, 0.29, 1, 0, batched=8, shape=BatchShape((1,) * 8, 6), lane=0),
-                     Timing(0.29, 8, verify_seqs=8, verify_tick=6))  # the next tick teaches again
+                     Timing(0.29, 8, batch=BatchShape((1,) * 8, 6)))  # the next tick teaches again
     assert pool.slot_verify[0] == pytest.approx(0.29 * (0.626 / 0.29) ** 0.16)
     before = pool.draft_seconds(8)
     for _ in range(8):  # so does a draft batch of every slot's token: the draft's price moves once

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from ..lockstep import NO_BATCH, BatchShape
+
 if TYPE_CHECKING:
     from ..proposers import Context, Draft, Proposer
     from ..trees import Tree
@@ -31,20 +33,23 @@ PLAIN = Plan()
 
 @dataclass(frozen=True)
 class Timing:
-    """What a step cost: the target's pass, and the proposer's work (a draft model's decodes included)."""
+    """What a step cost: the target's pass (`batch`: the shared batch it rode in, as it ran; NO_BATCH on a context of
+    its own), and the proposer's work (a draft model's decodes included)."""
 
     verify_seconds: float
-    verify_tokens: int  # the target's batch: the draft, its root, deferred tokens in front
+    verify_tokens: int  # the target's batch: the draft, its root, deferred tokens in front (a shared batch: all)
     propose_seconds: float = 0.0
     draft_decodes: int = 0  # a draft model's batches and tokens this step (catching up on unseen context included)
     draft_tokens: int = 0
-    verify_passes: int = 1  # the micro-batches a shared batch ran in: its seconds price one batch only when 1
     draft_batched: int = 0  # the tokens of the whole draft batches (other slots' too, in a pool)
-    verify_seqs: int = 1  # the sequences whose tokens the target's pass ran (with verify_passes 1)
-    # with several passes, their shapes: (sequences, tokens each) per micro-batch, in the order they ran
-    verify_shapes: tuple[tuple[int, int], ...] = ()
-    verify_tick: int = -1  # a shared batch's number: every slot's step in it reports the same (lockstep.Submission)
-    draft_tick: int = -1  # the last draft batch's number, likewise (where the step drafted in a pool)
+    batch: BatchShape = NO_BATCH
+    draft_tick: int = -1  # the last draft batch's number, as batch.tick (where the step drafted in a pool)
+
+    @property
+    def passes(self) -> list[tuple[int, int]]:
+        """The micro-batches the target's pass ran in, as (sequences, tokens of each): one of verify_tokens on a
+        context of its own."""
+        return (self.batch.passes() if self.batch.lanes else []) or [(1, self.verify_tokens)]
 
 
 class Policy(Protocol):

@@ -116,11 +116,11 @@ class AdaptiveLength:
             # a draft catching up on many tokens in one batch says little about one draft step
             steps = decodes if tokens <= decodes + 1 else 0
             # several passes' time is no batch's price, but their shapes' together (CostModel.observe)
-            verify_s = t.verify_seconds if t.verify_passes == 1 or t.verify_shapes else 0.0
+            passes = t.passes
             width = round(t.draft_batched / decodes) if steps and t.draft_batched else 1  # slots drafting at once
-            c.observe(t.verify_tokens or drafted + 1, verify_s, steps, draft_s, draft_width=width,
-                      verify_seqs=t.verify_seqs, verify_shapes=t.verify_shapes, tick=t.verify_tick,
-                      draft_tick=t.draft_tick)
+            c.observe(t.verify_tokens or drafted + 1, t.verify_seconds, steps, draft_s, draft_width=width,
+                      verify_seqs=passes[0][0], verify_shapes=tuple(passes) if len(passes) > 1 else (),
+                      tick=t.batch.tick, draft_tick=t.draft_tick)
         if self._probing:  # back off unless the probe itself beat plain steps
             paid = (accepted + 1) * c.verify[0] >= spent
             self.probe_every = PROBE_EVERY if paid else min(2 * self.probe_every, PROBE_EVERY_MAX)
