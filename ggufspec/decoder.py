@@ -57,7 +57,7 @@ class Decoder(Protocol):
     def feed(self, tokens: Sequence[int], all_logits: bool = True, view: bool = False) -> np.ndarray:
         """Decode `tokens` after the history in one pass; logits of every position (or the last), (n, V).
 
-        view=True: a read-only view of llama.cpp's buffer, valid only until this decoder's next decode.
+        view=True: a view of llama.cpp's buffer (for reading only), valid only until this decoder's next decode.
         """
 
     def sync(self, tokens: Sequence[int], view: bool = False) -> np.ndarray:
@@ -378,7 +378,7 @@ class LlamaCppDecoder(TreeDecoding):
 
         Runs outside the history, for several sequences in one context (e.g. answers generated side by side):
         the history must be empty, seq_ids below n_seq_max; clear_sequence frees one sequence, reset() all.
-        view=True: a read-only view of llama.cpp's buffer, valid only until this decoder's next decode.
+        view=True: a view of llama.cpp's buffer (for reading only), valid only until this decoder's next decode.
         """
         context = self._context()
         self._require_own("decode_sequences")

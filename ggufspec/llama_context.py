@@ -67,7 +67,7 @@ class Context:
     tokens in up to n_seq_max sequences each. GGUFSpecError, naming `path`, where llama.cpp cannot create it; the
     default cache types fall back to f16 where llama.cpp cannot build them (kv_type, kv_type_v: the types in use).
 
-    `ctx` is None once closed. Rows read here are read-only views of llama.cpp's buffers, valid until the next
+    `ctx` is None once closed. Rows read here are views of llama.cpp's buffers (for reading only), valid until the next
     decode."""
 
     def __init__(self, model: LlamaModel, opts: DecoderOptions, recurrent: bool, path: Path) -> None:
@@ -220,9 +220,9 @@ def opened(context: Context | None) -> Context:
 
 
 def buffer_rows(views: dict[tuple[int, int, int], np.ndarray], ptr, n_rows: int, width: int) -> np.ndarray:
-    """The first n_rows rows (of `width` floats) of llama.cpp's output buffer at `ptr`, as a read-only view kept in
-    `views` per address and shape: np.ctypeslib.as_array cost 30 us a call (docs/engine-overhead.md). The buffer at
-    that address holds at least the rows the last decode wrote."""
+    """The first n_rows rows (of `width` floats) of llama.cpp's output buffer at `ptr`, as a view (for reading only)
+    kept in `views` per address and shape: np.ctypeslib.as_array cost 30 us a call (docs/engine-overhead.md). The
+    buffer at that address holds at least the rows the last decode wrote."""
     if not ptr:
         raise GGUFSpecError("llama.cpp returned no outputs for this batch")
     key = (ctypes.addressof(ptr.contents), n_rows, width)
