@@ -30,7 +30,7 @@ from .machine_cache import notice
 from .memory import check_memory
 from .model import LlamaModel
 from .recurrent import MemoryKind, memory_kind
-from .sequence import KvSequence
+from .sequence import KvSequence, read_only
 from .shared_context import SharedContext
 from .tree_decoding import TreeDecoding
 from .waiting import waiting
@@ -57,7 +57,7 @@ class Decoder(Protocol):
     def feed(self, tokens: Sequence[int], all_logits: bool = True, view: bool = False) -> np.ndarray:
         """Decode `tokens` after the history in one pass; logits of every position (or the last), (n, V).
 
-        view=True: a view of llama.cpp's buffer (for reading only), valid only until this decoder's next decode.
+        view=True: a read-only view of llama.cpp's buffer, valid only until this decoder's next decode.
         """
 
     def sync(self, tokens: Sequence[int], view: bool = False) -> np.ndarray:
@@ -378,7 +378,7 @@ class LlamaCppDecoder(TreeDecoding):
 
         Runs outside the history, for several sequences in one context (e.g. answers generated side by side):
         the history must be empty, seq_ids below n_seq_max; clear_sequence frees one sequence, reset() all.
-        view=True: a view of llama.cpp's buffer (for reading only), valid only until this decoder's next decode.
+        view=True: a read-only view of llama.cpp's buffer, valid only until this decoder's next decode.
         """
         context = self._context()
         self._require_own("decode_sequences")
@@ -398,7 +398,7 @@ class LlamaCppDecoder(TreeDecoding):
             raise GGUFSpecError(f"llama_decode failed with code {rc} on a batch of {n} tokens in sequences "
                                 f"{sorted(set(seq_ids))} (raise n_ctx?)")
         self._n_out, self._skip = n, 0
-        return self._access.logits(n, view)
+        return read_only(self._access.logits(n, view), view)
 
     def clear_sequence(self, seq_id: int) -> None:
         """Drop every KV entry of sequence seq_id (filled by decode_sequences; the history must be empty)."""
