@@ -366,8 +366,9 @@ class Lockstep:
                     pass
                 seconds = time.perf_counter() - t0
                 self.decode_seconds += seconds
+                batch = BatchShape(shape, self.n_ticks)
                 for s in subs:
-                    s.seconds, s.shape = seconds, BatchShape(shape, self.n_ticks)
+                    s.seconds, s.shape = seconds, batch
             self.n_ticks += 1
         finally:
             for _, subs in running.values():

@@ -126,13 +126,11 @@ class SharedContext:
         n_out = sum(counts)
         logits = context.logits(n_out)
         states = context.states(n_out) if hidden else None
-        # greedy readers' picks now, in one call: read after the other slots' steps, a row was out of cache
-        picks = logits.argmax(axis=1) if any(s.argmax for s in subs) else None
         row = 0
         for s, k in zip(subs, counts):
             s.logits = logits[row : row + k]
-            if picks is not None and s.argmax:
-                s.picks = picks[row : row + k]
+            if s.argmax:  # a greedy reader's picks now: read after the other slots' steps, a row was out of cache
+                s.picks = s.logits.argmax(axis=1)
             if hidden and s.hidden:
                 s.states = states[row : row + k].copy()
             row += k

@@ -166,11 +166,10 @@ class Verifier:
         t, params, drafts = self.target, self.params, draft.tokens
         picks = params.greedy and self.suppressed is None  # each row's argmax, from the batch where it works them out
         if not drafts:  # a plain step: nothing to judge, nothing to roll back
-            rows = yield from t.feed_steps([last], view=True, picks=picks)
-            if picks:
-                best = t.picks(1)
-                return [argmax(rows[-1], None if best is None else best[-1])]
-            return [pick(suppress(rows[-1], self.suppressed), params, self.rng)]
+            rows = suppress((yield from t.feed_steps([last], view=True, picks=picks)), self.suppressed)
+            if params.greedy:
+                return accept_greedy(rows, [], t.picks(1) if picks else None)
+            return [pick(rows[-1], params, self.rng)]
         t.hold(len(drafts))  # recurrent memory: what its snapshots of this batch will not undo, a checkpoint does
         logits = suppress((yield from t.feed_steps([last, *drafts], view=True, picks=picks)), self.suppressed)
         if params.greedy:

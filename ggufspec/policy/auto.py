@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from ..costs import ContextCosts, CostModel, MtpPrices, SharedBatch
+from ..costs import ContextCosts, CostModel, MtpPrices, Prices, SharedBatch
 from ..decoder import SLOT_CHUNK
 from ..history import common_prefix
 from ..proposers import Context, Draft, Proposer
@@ -34,6 +35,20 @@ SOURCE_NAMES = {"draft": "draft model", "lookup": "lookup", "medusa": "Medusa tr
 MODEL_NAMES = {"draft": "the draft model", "mtp": "the MTP head"}  # the drafting models, as decision() says them
 
 
+class TickPlan(NamedTuple):
+    """AutoPolicy.price_at's answer for a batch whose slots all added as many tokens, which every slot takes."""
+
+    tick: int  # the batch it was worked out after
+    planned: dict[str, int] | None  # each drafting model's length (None: a prompt's chunk goes on beside)
+    views: tuple[Prices, ...]  # each record's prices, in AutoPolicy._records' order
+    costs: CostModel  # the cost model (by context size) priced from
+
+    @property
+    def idle(self) -> bool:
+        """No model drafts: the plan may stand REACH_TICKS ticks."""
+        return self.planned is not None and not any(self.planned.values())
+
+
 @dataclass
 class SlotRecords:
     """A pool's slots' drafting-model records by lane, each slot's policy registering its own (AutoPolicy.observe):
@@ -43,8 +58,7 @@ class SlotRecords:
     draft: dict[int, AdaptiveLength] = field(default_factory=dict)  # the draft model's
     mtp: dict[int, AdaptiveLength] = field(default_factory=dict)  # the MTP heads'
     contexts: dict[int, ContextCosts] = field(default_factory=dict)  # by id of the measured cost model
-    # AutoPolicy.price_at's last answer for a batch of even lanes: (tick, planned lengths, the records' views, costs)
-    plans: dict[tuple, tuple] = field(default_factory=dict)
+    plans: dict[tuple, TickPlan] = field(default_factory=dict)  # AutoPolicy.price_at's, for batches of even lanes
 
     def context_costs(self, costs: CostModel) -> ContextCosts:
         """The pool's cost models by context size, starting from `costs`."""
@@ -156,14 +170,14 @@ class AutoPolicy:
         even = pool is not None and self.tick >= 0 and self.lanes.count(self.lanes[0]) == len(self.lanes)
         key = (id(costs), len(self.lanes), self.lanes[0], self.k_max, self._model_names)
         kept = pool.plans.get(key) if even else None
-        if kept is not None and kept[3] is costs and (kept[0] == self.tick or kept[1] is not None and not any(
-                kept[1].values()) and 0 <= self.tick - kept[0] < REACH_TICKS):
-            for length, view in zip(self._records, kept[2]):
+        if kept is not None and kept.costs is costs and (kept.tick == self.tick or kept.idle and
+                                                         0 <= self.tick - kept.tick < REACH_TICKS):
+            for length, view in zip(self._records, kept.views):
                 length.costs = view
-            return kept[1]  # (read only)
+            return kept.planned  # (read only)
         planned = self._price_shared(costs)
         if even:
-            pool.plans[key] = (self.tick, planned, tuple(length.costs for length in self._records), costs)
+            pool.plans[key] = TickPlan(self.tick, planned, tuple(length.costs for length in self._records), costs)
         return planned
 
     def _price_shared(self, costs: CostModel) -> dict[str, int] | None:
