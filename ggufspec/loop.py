@@ -21,14 +21,18 @@ def generate_steps(
     prefilled: Callable[[], None] = lambda: None,
 ) -> Iterator[Verdict | Submission]:
     """Yield what each target pass commits, at most `limit` tokens in all; `prefilled` is called once the prompt is
-    in the caches. The prompt's last token is decoded by the first pass, so every position is decoded once."""
-    context, last = prompt[:-1], prompt[-1]
-    warm = policy.begin(context, proposers)
-    yield from verifier.prefill_steps(context)
+    in the caches. The first token comes from the prompt's pass (its last row), as llama-server's does; each pass
+    after it decodes the previous pick, so every position is decoded once."""
+    warm = policy.begin(prompt, proposers)
+    if limit <= 0:
+        return
+    first = yield from verifier.first_steps(prompt)
     for name, proposer in proposers.items():
-        yield from proposer.begin_steps(context, name in warm)
+        yield from proposer.begin_steps(prompt, name in warm)
     prefilled()
-    hidden = None  # the target's hidden state at the row that picked `last` (none before the first pass)
+    yield first
+    last, hidden = first.tokens[-1], first.hidden  # hidden: the target's state at the row that picked `last`
+    limit -= 1
     while limit > 0:
         state = Context.after(verifier.history, last, hidden)
         plan = policy.plan(state, limit, verifier.deferred)

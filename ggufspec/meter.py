@@ -52,7 +52,7 @@ class Meter:
         st = self.stats
         st.prefill_seconds = time.perf_counter() - self.t0
         st.prefill_tokens = self.target.n_decoded_tokens - self.decoded0
-        st.cached_tokens = max(0, st.prompt_tokens - 1 - st.prefill_tokens)
+        st.cached_tokens = max(0, st.prompt_tokens - st.prefill_tokens)
         self.target0, self.draft0 = busy(self.target), sum(map(busy, self.drafters))
 
     def finish(self, generated: int) -> Stats:

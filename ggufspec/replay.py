@@ -95,8 +95,10 @@ def replay(traces: Iterable[Trace], costs: CostModel, policy: str, k: int, max_t
     for tr in traces:
         guesses = _Guesses(tr.guess)
         if auto is not None:
-            auto.begin(tr.tokens[: tr.prompt_len - 1], {"lookup": lookup, "draft": guesses})
+            auto.begin(tr.tokens[: tr.prompt_len], {"lookup": lookup, "draft": guesses})
         t, end = tr.prompt_len, min(len(tr.tokens), tr.prompt_len + max_tokens)
+        if t < end:  # the first token, from the prompt's pass (the prefill: not priced, as a generation's stats)
+            total.tokens, total.passes, t = total.tokens + 1, total.passes + 1, t + 1
         while t < end:
             room = min(k, end - t - 1)  # as the engine does: never draft past the token limit
             model = [tr.guess[i] if i < len(tr.guess) else -1 for i in range(t - 1, t - 1 + room)]

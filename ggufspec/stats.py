@@ -10,7 +10,7 @@ class Stats:
     """Counts and seconds; `accepted` counts draft tokens the target kept (bonus tokens excluded)."""
 
     prompt_tokens: int = 0
-    prefill_tokens: int = 0  # prompt tokens decoded before the first step (the rest: cached, or the last one)
+    prefill_tokens: int = 0  # prompt tokens decoded (the rest: cached)
     cached_tokens: int = 0  # prompt tokens whose KV entries were reused from the previous generation
     generated_tokens: int = 0
     # tokens the target's passes committed: the generated ones, and the stop token (or a stop string's step's last

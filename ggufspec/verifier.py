@@ -124,18 +124,34 @@ class Verifier:
         """The tokens the target has committed (a context shift drops older ones), deferred ones included."""
         return self.target.history
 
-    def prefill(self, context: list[int]) -> None:
-        """Decode `context` into the target's cache, reusing its common prefix (an empty one empties it)."""
-        run_steps(self.prefill_steps(context))
+    def first(self, prompt: list[int]) -> Verdict:
+        """Decode `prompt` into the target's cache, reusing its common prefix with what the cache holds (its last
+        token decoded again where all of it is there), and pick the first token from its last row."""
+        return run_steps(self.first_steps(prompt))
 
     def verify(self, last: int, draft: Draft) -> Verdict:
         """One target pass over `last` and the draft: the tokens the target commits."""
         return run_steps(self.verify_steps(last, draft))
 
-    def prefill_steps(self, context: list[int]) -> Steps[None]:
-        """prefill as a decode coroutine (lockstep.Steps: a pool's generations run so)."""
-        yield from prefill_steps(self.target, context)
+    def first_steps(self, prompt: list[int]) -> Steps[Verdict]:
+        """first as a decode coroutine (lockstep.Steps: a pool's generations run so). The first token comes from the
+        prompt's own batch, as llama-server's does: a pool's request starts a tick earlier than with its own pass."""
+        t = self.target
+        seconds, decoded, batched = t.decode_seconds, t.n_decoded_tokens, t.n_batched_tokens
+        hidden = None
+        if self.hidden:  # the last token's hidden row: a decode of its own (a longer prefill's would cost every
+            # token's logits, Decoder.hidden_states)
+            yield from prefill_steps(t, prompt[:-1])
+            rows = yield from t.feed_steps(prompt[-1:], view=True)
+            hidden = t.hidden_states()[-1]
+        else:
+            rows = yield from t.sync_steps(prompt, view=True)
+        t.hold(anchor=True)
         self.deferred = 0
+        row = suppress(rows[-1:], self.suppressed)[0]
+        token = argmax(row) if self.params.greedy else pick(row, self.params, self.rng)
+        return Verdict([token], 0, t.decode_seconds - seconds, t.n_decoded_tokens - decoded, 0, hidden,
+                       t.n_batched_tokens - batched, t.last_batch, t.lane)
 
     def verify_steps(self, last: int, draft: Draft) -> Steps[Verdict]:
         """verify as a decode coroutine."""

@@ -6,11 +6,14 @@ import os
 import signal
 from pathlib import Path
 
+import numpy as np
 import pytest
+from scipy.stats import chisquare
 
 from ggufspec import cpu_backend
 from ggufspec.costs import CostModel
 from ggufspec.decoder import DecoderOptions, LlamaCppDecoder
+from ggufspec.sampling import SamplingParams, probabilities
 from tiny_models import (HybridConfig, TinyConfig, hybrid_weights, noisy_copy, random_weights, read_tokenizer,
                          write_hybrid_gguf, write_tiny_gguf)
 
@@ -132,6 +135,44 @@ def mtp_model(tmp_path_factory, tokenizer_fields) -> tuple[Path, Path]:
 def open_decoder(path: Path, **kw) -> LlamaCppDecoder:
     kw.setdefault("n_ctx", 1024)
     return LlamaCppDecoder(path, DecoderOptions(**kw))
+
+
+class FirstTokens:
+    """For tests that the first three tokens sampled with speculation follow the target's distribution: the first
+    from the prompt's pass, the next two judged as the first step's draft positions (a resample or a bonus). Holds the
+    target's distributions along its likeliest path after the prompt (`toks`); `add` counts a run's tokens, each
+    while the ones before it were that path's; `check` runs the chi-square tests."""
+
+    def __init__(self, d: LlamaCppDecoder, toks: list[int], params: SamplingParams, lookup: bool = False) -> None:
+        """`lookup`: the prompt is grown until the pair (its last token, the likeliest first) occurs in it, so that
+        lookup has a match to draft from after the first token."""
+        for _ in range(16):
+            p0 = probabilities(d.sync(toks)[-1], params)
+            first = int(p0.argmax())
+            if not lookup or (toks[-1], first) in set(zip(toks, toks[1:])):
+                break
+            toks = [toks[-1], first, *toks]
+        else:
+            pytest.fail("no prompt found whose likeliest first token lookup could draft after")
+        p1 = probabilities(d.feed([first])[-1], params)
+        second = int(p1.argmax())
+        self.toks, self.path = toks, [first, second]
+        self.ps = [p0, p1, probabilities(d.feed([second])[-1], params)]
+        self.counts = [np.zeros(len(p), int) for p in self.ps]
+
+    def add(self, tokens: list[int]) -> None:
+        for i, n in enumerate(self.counts):
+            n[tokens[i]] += 1
+            if i < len(self.path) and tokens[i] != self.path[i]:
+                return
+
+    def check(self) -> None:
+        for n, p in zip(self.counts, self.ps):
+            support = p > 0
+            assert n[~support].sum() == 0
+            expected = p[support].astype(np.float64)  # float32 rows: chisquare wants the sums equal to 1.5e-8
+            pval = chisquare(n[support], expected * n.sum() / expected.sum()).pvalue
+            assert pval > 0.001, f"sampled tokens {n[support]} do not follow p {p[support]} (p-value {pval:.2e})"
 
 
 class FixedCosts(CostModel):

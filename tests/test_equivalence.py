@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from scipy.stats import chisquare
 
-from conftest import FixedCosts, open_decoder
+from conftest import FirstTokens, FixedCosts, open_decoder
 from ggufspec.costs import CostModel
 from ggufspec.proposers.draft_model import DraftModelProposer
 from ggufspec.decoder import LlamaCppDecoder
 from ggufspec.engine import GenerationSettings, SpeculativeEngine
-from ggufspec.sampling import SamplingParams, probabilities
+from ggufspec.sampling import SamplingParams
 
 PROMPTS = [
     "def fibonacci(n):\n",
@@ -165,38 +164,28 @@ def test_greedy_auto_draft_trees(tiny_target, tiny_draft, monkeypatch) -> None:
                                                ("lookup", "7 8 9 7 8 9 7 8 9 7", None),
                                                ("vanilla", "Once upon a time", "qwen35")])
 def test_sampling_end_to_end_follows_the_target(tiny_target, tiny_draft, hybrid, method, prompt, arch) -> None:
-    """First two tokens sampled with speculation follow the target's own (top-k, tempered) distribution.
+    """The first three tokens sampled with speculation follow the target's own (top-k, tempered) distribution: the
+    first from the prompt's pass, the next two judged as the first step's draft positions (a resample or a bonus).
 
-    Lookup drafts are deterministic (q one-hot): acceptance is then p(x), the residual p without x. On a hybrid pair
-    (arch) the second token comes after the first step's rollbacks: the target's by snapshot, the draft's from a
-    checkpoint.
+    Lookup drafts are deterministic (q one-hot): acceptance is then p(x), the residual p without x; the prompt is
+    grown until the pair (its last token, the likeliest first) occurs in it, so lookup has a match to draft from. On a
+    hybrid pair (arch) the third token comes after the first step's rollbacks: the target's by snapshot, the draft's
+    from a checkpoint.
     """
     if arch is not None:
         tiny_target, tiny_draft = hybrid(arch)
     params = SamplingParams(temperature=1.5, top_k=6)
     with open_decoder(tiny_target) as d:
-        toks = d.vocab.tokenize(prompt)
-        p0 = probabilities(d.feed(toks)[-1], params)
-        first = int(p0.argmax())
-        p1 = probabilities(d.feed([first])[-1], params)
-    counts0 = np.zeros(len(p0), int)
-    counts1 = np.zeros(len(p1), int)
+        first = FirstTokens(d, d.vocab.tokenize(prompt), params, lookup=method == "lookup")
     accepted = drafted = 0
     with SpeculativeEngine.load(tiny_target, tiny_draft) as engine:
-        for seed in range(2000):
-            r = engine.generate(prompt, GenerationSettings(max_tokens=3, sampling=params, seed=seed,
-                                                           method=method, draft_max=2))
-            counts0[r.tokens[0]] += 1
-            if r.tokens[0] == first:
-                counts1[r.tokens[1]] += 1
+        for seed in range(3000):
+            r = engine.generate(first.toks, GenerationSettings(max_tokens=4, sampling=params, seed=seed, method=method,
+                                                               draft_max=2))
+            first.add(r.tokens)
             accepted, drafted = accepted + r.stats.accepted, drafted + r.stats.drafted
     assert drafted > 0 and (method != "vanilla" or 0.05 < accepted / drafted < 0.95), "drafts must be judged"
-    for counts, p in ((counts0, p0), (counts1, p1)):
-        support = p > 0
-        assert counts[~support].sum() == 0
-        expected = p[support].astype(np.float64)  # float32 rows: chisquare wants the sums equal to 1.5e-8
-        pval = chisquare(counts[support], expected * counts.sum() / expected.sum()).pvalue
-        assert pval > 0.001, f"sampled tokens {counts[support]} do not follow p {p[support]} (p-value {pval:.2e})"
+    first.check()
 
 
 def test_seeded_sampling_is_reproducible(tiny_target, tiny_draft) -> None:

@@ -224,7 +224,8 @@ class AutoPolicy:
             length.restart()
         self._unverified.clear()
         self.source = self._proposed = None
-        self.steps, self.guessed, self.unsearched = {}, 0, 0
+        # passes by what they drafted from: the prompt's, which picks the first token, drafts nothing
+        self.steps, self.guessed, self.unsearched = {None: 1}, 0, 0
         self.peers = self._peers()
         self.lanes, self.lane = ((1,) * (1 + self.peers), 0) if self.peers else ((), 0)
         self.tick = -1

@@ -90,8 +90,8 @@ class Proposer(Protocol):
     counters: Counters
 
     def begin(self, prompt: list[int], warm: bool) -> None:
-        """A generation starts after `prompt` (its last token not yet decoded); warm: decode it now where proposing
-        will need it (a draft model's cache), else on first use."""
+        """A generation starts after `prompt` (in the target's cache: its last row picked the first token); warm:
+        decode it now where proposing will need it (a draft model's cache), else on first use."""
 
     def propose(self, context: Context, k: int, plan_nodes: np.ndarray | None = None) -> Draft:
         """Up to k tokens after the context (none when k is 0); a tree proposer proposes the nodes of its static
