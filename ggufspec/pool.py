@@ -110,7 +110,7 @@ class EnginePool:
                                 "--parallel 1.")
         settings = settings or GenerationSettings()
         options = _off_this_thread((options or DecoderOptions()).resolved)  # a first use probes: see _off_this_thread
-        options = with_snapshots(options, settings)
+        options = with_snapshots(options, settings, parallel)
         options = SpeculativeEngine.check_files(target_path, draft_path, options, medusa_path, medusa_vocab, parallel)
         options = with_mtp(target_path, options, settings)
         if parallel > 1:  # a slot is one KV sequence (LlamaCppDecoder.slots): the draft model proposes chains

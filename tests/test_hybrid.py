@@ -159,7 +159,9 @@ def test_greedy_text_is_the_targets_with_two_slots(hybrid, arch) -> None:
     with SpeculativeEngine.load(target, None, DecoderOptions(n_ctx=512)) as engine:
         refs = [engine.generate(p, GenerationSettings(max_tokens=24, method="autoregressive")).tokens for p in prompts]
     drafted = 0
-    with EnginePool.load(target, draft, DecoderOptions(n_ctx=1024), parallel=2) as pool:
+    loaded = GenerationSettings(method="vanilla", draft_max=4)  # its chains are undone by snapshots
+    with EnginePool.load(target, draft, DecoderOptions(n_ctx=1024), loaded, parallel=2) as pool:
+        assert pool.slots[0].engine.target.n_rs_seq == 4
         for method, lengths in EVERY_LENGTH.items():
             for k in lengths:
                 s = GenerationSettings(max_tokens=24, method=method, draft_max=k)
@@ -169,6 +171,32 @@ def test_greedy_text_is_the_targets_with_two_slots(hybrid, arch) -> None:
                         assert_greedy_equal(target, prompts[i], refs[i], r.result.tokens)
                         drafted += r.result.stats.drafted
     assert drafted > 50
+
+
+def test_snapshots_only_where_chains_are_expected(hybrid) -> None:
+    """Every batch writes a context's snapshots: plain decoding and `auto` in a pool of slots go without them (their
+    chains go back from checkpoints), a single stream's `auto` and the drafting methods keep them."""
+    target, draft = hybrid("qwen35")
+    options = DecoderOptions(n_ctx=512)
+    for method, n_rs_seq in (("autoregressive", 0), ("auto", 3), ("vanilla", 3)):
+        with SpeculativeEngine.load(target, draft, options, GenerationSettings(method=method, draft_max=3)) as engine:
+            assert engine.target.n_rs_seq == n_rs_seq, method
+    refs = {}
+    with SpeculativeEngine.load(target, None, options) as engine:
+        for p in PROMPTS:
+            refs[p] = engine.generate(p, GenerationSettings(max_tokens=24, method="autoregressive")).tokens
+    for method, n_rs_seq in (("autoregressive", 0), ("auto", 0), ("vanilla", 3)):
+        loaded = GenerationSettings(method=method, draft_max=3)
+        with EnginePool.load(target, draft, DecoderOptions(n_ctx=1024), loaded, parallel=2) as pool:
+            assert pool.slots[0].engine.target.n_rs_seq == n_rs_seq, method
+            if method != "auto":
+                continue
+            restores = pool.slots[0].engine.target.rollbacks.restores
+            for i, r in pool.stream_many(PROMPTS, GenerationSettings(max_tokens=24, method="vanilla", draft_max=3)):
+                assert not isinstance(r, Exception), r
+                if r.finish_reason is not None:
+                    assert_greedy_equal(target, PROMPTS[i], refs[PROMPTS[i]], r.result.tokens)
+            assert sum(s.engine.target.rollbacks.restores for s in pool.slots) > restores  # from checkpoints
 
 
 @pytest.mark.parametrize("arch", ["lfm2", "qwen35"])
