@@ -12,7 +12,7 @@ import pytest
 import ggufspec.costs.cache as costs_module  # where cached_measure looks up measure() and machine()
 from ggufspec.costs import ContextCosts, CostModel, SharedBatch, measure
 from ggufspec.decoder import SLOT_CHUNK
-from ggufspec.lockstep import BatchShape, even_lanes, micro_batches, micro_shapes
+from ggufspec.lockstep import NO_BATCH, BatchShape, even_lanes, micro_batches, micro_shapes
 from ggufspec.policy import PLAIN, Plan, Timing
 from ggufspec.policy.adaptive import (MIN_GAIN, PHRASE_MATCH, PROBE_EVERY, PROBE_GAIN, SHARED_GAIN,
                                       AdaptiveLength)
@@ -45,11 +45,12 @@ def step(policy: AutoPolicy, proposers: dict[str, Proposer], context: list[int],
     return plan, proposers[plan.source].propose(ctx, plan.k) if plan.source else NO_DRAFT
 
 
-def judge(policy: AutoPolicy, plan: Plan, draft: Draft, kept: int, timing: Timing | None = None) -> None:
+def judge(policy: AutoPolicy, plan: Plan, draft: Draft, kept: int, timing: Timing | None = None,
+          shape: BatchShape = NO_BATCH) -> None:
     """The target kept the first `kept` tokens of the step's draft (then picked a token of its own); timing None:
-    the step is priced from the cost model alone, as replays are."""
+    the step is priced from the cost model alone, as replays are; `shape`: the pool's batch it rode in (lane 0)."""
     verdict = Verdict([*draft.tokens[:kept], 0], len(draft.tokens), timing.verify_seconds if timing else 0.0,
-                      len(draft.tokens) + 1, 0)
+                      len(draft.tokens) + 1, 0, shape=shape)
     policy.observe(plan, draft, verdict, timing)
 
 
@@ -884,13 +885,17 @@ def test_a_probe_catches_up_only_where_the_tokens_left_can_afford_it(tiny_draft)
         auto.model_length.acceptance = [0.2] * 3
         assert auto.model_length.planned() == 0  # off: only probes draft
         context = list(range(10, 90))  # 80 unseen tokens at 12 ms: less than 16 plain steps (1.3 s)
-        for room, probes in ((64, False), (500, True)):  # a tenth of 64 plain steps: 0.5 s; of 128: 1.05 s
-            ran = []
-            for _ in range(PROBE_EVERY):
+        # a tenth of 64 plain steps: 0.5 s; of 128: 1.05 s; beside 3 other busy slots, a tenth of 128 batches of 4
+        # tokens is 1.7 s, less than the catch-up's 1 s for each of the 4 slots that wait on it (and probe in turn)
+        for room, lanes, probes in ((64, (), False), (500, (), True), (500, (1, 1, 1, 1), False)):
+            ran, decodes = [], d.n_decodes
+            judge(auto, PLAIN, NO_DRAFT, 0, shape=BatchShape(lanes, 0))
+            for tick in range(PROBE_EVERY):
                 plan, draft = step(auto, proposers, context, 3, room=room)
                 ran.append(plan.source)
-                judge(auto, plan, draft, 0)
-            assert ("draft" in ran) == probes and (d.n_decodes > 0) == probes, (room, ran)
+                judge(auto, plan, draft, 0, shape=BatchShape(lanes, tick + 1))
+            assert ("draft" in ran) == probes and (d.n_decodes > decodes) == probes, (room, lanes, ran)
+            d.reset()
 
 
 def test_greedy_draft_trees_follow_the_draft_while_it_is_confident(tiny_draft) -> None:

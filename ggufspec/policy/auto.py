@@ -417,15 +417,18 @@ class AutoPolicy:
         (charged at costs.catch_up a token: a draft model's step, an upper bound; the MTP head's share of a catch-up
         batch) would cost more than drafting can win back: the time its expected gain saves on the
         tokens left (`room`, at most CATCH_UP_HORIZON), or for a probe, the plain steps between two probes and
-        PROBE_CATCH_UP_SHARE of the plain steps left. After a
+        PROBE_CATCH_UP_SHARE of the plain steps left (in a pool, charged for every busy slot). After a
         long prompt the draft was not prefilled for, a catch-up takes seconds, more than those steps can win back; in
         a busy pool it is a tick every slot waits on (docs/methods.md#measured-constants: CATCH_UP_HORIZON). `k`: the
         model's planned length."""
         cost = proposer.unseen(context) * m.costs.catch_up
         if not cost:
             return True
-        if not k:  # a probe, if any: less than the plain steps between two probes, and a share of those left
-            return cost <= min(m.probe_every, PROBE_CATCH_UP_SHARE * min(room, CATCH_UP_HORIZON)) * m.costs.verify[0]
+        if not k:  # a probe, if any: less than the plain steps between two probes, and a share of those left; in a
+            # pool its catch-up is a tick every busy slot waits on, and each slot probes: charged once for each
+            busy = sum(1 for n in self.lanes if n) or 1
+            return cost * busy <= (min(m.probe_every, PROBE_CATCH_UP_SHARE * min(room, CATCH_UP_HORIZON))
+                                   * m.costs.verify[0])
         rate = m.costs.expected_rate  # tokens a second: the whole batch's, where other slots share it
         saved = min(room, CATCH_UP_HORIZON) * (1 / rate(0, 0) - 1 / rate(k, m.acceptance))
         return cost <= saved
