@@ -417,9 +417,9 @@ class SpeculativeEngine:
 def with_snapshots(options: DecoderOptions, settings: GenerationSettings, parallel: int = 1) -> DecoderOptions:
     """`options` with recurrent-state snapshots for the target's chains of up to settings.draft_max drafts (at most
     recurrent.SNAPSHOTS_MAX: longer ones, lookup's copies, are undone from checkpoints); attention models ignore it.
-    None where no chain is expected to need them, since every batch of every slot writes them (5% of a 4-slot pool's
-    plain step on a CPU, docs/hybrid.md): plain decoding, and `auto` in a pool of several slots (the few chains it
-    drafts there are undone from checkpoints, whose cost it prices)."""
+    None where no chain is expected to need them, since every batch of every slot writes them (their cost to a pool's
+    plain steps: docs/hybrid.md): plain decoding, and `auto` in a pool of several slots (the few chains it drafts
+    there are undone from checkpoints, whose cost it prices)."""
     method = settings.method or "auto"
     if method == "autoregressive" or (parallel > 1 and method == "auto"):
         return options

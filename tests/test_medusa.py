@@ -356,8 +356,9 @@ def test_auto_with_heads_verifies_every_guess_lookup_chose_unless_a_tree_runs(sm
 @pytest.mark.slow
 def test_sampled_auto_with_heads_follows_the_target(tiny_target, random_heads, monkeypatch) -> None:
     """`auto` with heads when sampling: the first three tokens (the first from the prompt's pass, the others each
-    from a lookup guess, a tree or a plain pass) follow the target's tempered top-k distribution. Lookup's guesses are most of the steps judged here; the sizer soon
-    finds these random heads' trees do not pay, and sampled trees alone are tested below."""
+    from a lookup guess, a tree or a plain pass) follow the target's tempered top-k distribution. Lookup's guesses are
+    most of the steps judged here; the sizer soon finds these random heads' trees do not pay, and sampled trees alone
+    are tested below."""
     ran = _count_steps(monkeypatch)
     # the sizer learns what the seeds make the heads keep, not this machine's timings: in one CI run trees were priced
     # out after the first (1 tree step in 2000 answers; without timings, 21 here)
@@ -657,7 +658,7 @@ def test_soft_labels_steer_the_heads(tiny_target, soft_weight) -> None:
     with 0 only the text's own tokens count, and T is never among them.
     """
     from ggufspec.medusa.heads import target_lm_head
-    from ggufspec.medusa.train import Corpus, TrainConfig, collect_text, open_for_collection, train_heads, training_pairs
+    from ggufspec.medusa.train import TrainConfig, collect_text, open_for_collection, train_heads, training_pairs
 
     d = open_for_collection(tiny_target, 1, 256, threads=1)
     try:
