@@ -109,6 +109,9 @@ from .kv_types import KV_TYPES, UNQUANTIZED_KV, kv_label  # noqa: E402  (apart, 
 # On CPU a prefill runs about as fast in 64-token micro-batches as in 512-token ones, and their activations take
 # less memory (docs/memory.md). docs/methods.md#measured-constants: CPU_UBATCH
 CPU_UBATCH = 64
+# Hybrid and recurrent models' layers (a gated delta net's chunked form) prefill faster in longer micro-batches on CPU:
+# they keep llama.cpp's default. docs/methods.md#measured-constants: RECURRENT_CPU_UBATCH
+RECURRENT_CPU_UBATCH = 512
 # A slot (LlamaCppDecoder.slots) decodes a prompt in chunks of at most this many tokens, each riding in one shared
 # batch with the other slots' steps: a long prompt joining delays their next tokens by about one such chunk's decode
 SLOT_CHUNK = 128
@@ -189,6 +192,12 @@ class DecoderOptions:
         if self.n_ubatch is not None:
             return self.n_ubatch
         return self.n_batch if self.offloads else min(self.n_batch, CPU_UBATCH)
+
+    def micro_batch_on(self, recurrent: bool) -> int:
+        """micro_batch for a model with recurrent memory or without: by default RECURRENT_CPU_UBATCH on CPU there."""
+        if recurrent and self.n_ubatch is None and not self.offloads:
+            return min(self.n_batch, RECURRENT_CPU_UBATCH)
+        return self.micro_batch
 
     @property
     def offloads(self) -> bool:
@@ -321,7 +330,8 @@ class LlamaCppDecoder(TreeDecoding):
             raise ValueError(f"a context of {options.n_ctx} tokens cannot hold {n} slots")
         # every slot's n_ctx // n tokens, plus a chunk each: a verification batch's or a tree's transient cells
         whole = replace(options, n_ctx=per_slot * n + n * chunk, n_batch=n * chunk, n_seq_max=n * span,
-                        n_ubatch=min(options.micro_batch, n * chunk), kv_unified=True if n == 1 else False)
+                        n_ubatch=None if options.n_ubatch is None else min(options.n_ubatch, n * chunk),
+                        kv_unified=True if n == 1 else False)
         owner = cls(path, whole)
         span = owner.options.n_seq_max // n  # 1 where recurrent memory turned the trees off
         context = owner._context()

@@ -42,7 +42,7 @@ def context_params(opts: DecoderOptions, recurrent: bool) -> llama_cpp.llama_con
     cparams = llama_cpp.llama_context_default_params()
     cparams.n_ctx = opts.n_ctx
     cparams.n_batch = opts.n_batch
-    cparams.n_ubatch = opts.micro_batch
+    cparams.n_ubatch = opts.micro_batch_on(recurrent)
     cparams.n_seq_max = opts.n_seq_max
     cparams.n_threads = opts.n_threads or default_threads()
     cparams.n_threads_batch = opts.n_threads_batch or cparams.n_threads
@@ -56,7 +56,7 @@ def context_params(opts: DecoderOptions, recurrent: bool) -> llama_cpp.llama_con
         )
     cparams.no_perf = True
     if recurrent:
-        cparams.n_rs_seq = snapshots_for(opts.n_rs_seq, opts.micro_batch)
+        cparams.n_rs_seq = snapshots_for(opts.n_rs_seq, opts.micro_batch_on(recurrent))
     cparams.type_k = int(GGMLQuantizationType[opts.cache_type.upper()])
     cparams.type_v = int(GGMLQuantizationType[opts.cache_type_v.upper()])
     return cparams

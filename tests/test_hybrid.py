@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 from conftest import open_decoder
-from ggufspec.decoder import DecoderOptions, LlamaCppDecoder
+from ggufspec.decoder import SLOT_CHUNK, DecoderOptions, LlamaCppDecoder
 from ggufspec.engine import GenerationSettings, SpeculativeEngine
 from ggufspec.llama_batch import Batch
+from ggufspec.lockstep import Lockstep
 from ggufspec.pool import EnginePool
 from ggufspec.recurrent import MemoryKind
 from test_server import Server, openai_client
@@ -43,6 +44,19 @@ def test_memory_kind_and_snapshots(hybrid, arch) -> None:
         assert d.n_rs_seq == (0 if arch == "mamba2" else 4)
     with open_decoder(target, n_seq_max=8) as d:  # sequences for token trees: none on recurrent memory
         assert d.options.n_seq_max == 1
+
+
+def test_micro_batches_on_cpu(hybrid, tiny_target) -> None:
+    """On CPU an attention model's prefill runs in 64-token micro-batches, a hybrid one's in llama.cpp's 512 (what its
+    recurrent layers gain from, docs/methods.md), a pool's as long as its shared batch; --n-ubatch sets either."""
+    target, _ = hybrid("qwen35")
+    for path, n_ubatch, want in ((tiny_target, None, 64), (target, None, 512), (target, 32, 32)):
+        with open_decoder(path, n_ubatch=n_ubatch) as d:
+            assert d.n_ubatch == want, (path.name, n_ubatch)
+    slots = LlamaCppDecoder.slots(target, DecoderOptions(n_ctx=1024), 2, Lockstep())
+    assert [slot.n_ubatch for slot in slots] == [2 * SLOT_CHUNK] * 2
+    for slot in slots:
+        slot.close()
 
 
 def _fresh_logits(path, tokens: list[int]) -> np.ndarray:

@@ -239,7 +239,7 @@ OPTIONS: tuple[Option, ...] = (
            show_default=True, help="Prefill chunk size."),
     option("-ub", "--n-ubatch", "--ubatch-size", "n_ubatch", serves=LOADS, type=click.IntRange(min=1), default=None,
            help="Most tokens llama.cpp computes at once (default: 64 on CPU, where more costs memory and gains no "
-                "speed; --n-batch with GPU layers)."),
+                "speed, but 512 for hybrid and recurrent models, whose prefill gains; --n-batch with GPU layers)."),
     option("-t", "--threads", serves=LOADS, type=click.IntRange(min=1), default=None,
            help="CPU threads (default: all cores)."),
     option("-tb", "--threads-batch", serves=LOADS, type=click.IntRange(min=1), default=None,
