@@ -188,7 +188,8 @@ class DecoderOptions:
     @property
     def micro_batch(self) -> int:
         """n_ubatch (the most tokens llama.cpp computes at once), or by default n_batch, capped at CPU_UBATCH on
-        CPU, where larger micro-batches cost memory and gain no speed."""
+        CPU, where larger micro-batches cost memory and gain no speed: an attention model's (micro_batch_on says any
+        model's)."""
         if self.n_ubatch is not None:
             return self.n_ubatch
         return self.n_batch if self.offloads else min(self.n_batch, CPU_UBATCH)

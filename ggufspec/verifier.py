@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .decoder import Decoder, prefill_steps
-from .lockstep import NO_BATCH, BatchShape, Steps, run_steps
+from .lockstep import NO_BATCH, BatchShape, Steps
 from .proposers import Draft
 from .sampling import SamplingParams, argmax, pick, probabilities, sample, suppress
 from .trees import Tree, residual, walk
@@ -124,18 +124,11 @@ class Verifier:
         """The tokens the target has committed (a context shift drops older ones), deferred ones included."""
         return self.target.history
 
-    def first(self, prompt: list[int]) -> Verdict:
-        """Decode `prompt` into the target's cache, reusing its common prefix with what the cache holds (its last
-        token decoded again where all of it is there), and pick the first token from its last row."""
-        return run_steps(self.first_steps(prompt))
-
-    def verify(self, last: int, draft: Draft) -> Verdict:
-        """One target pass over `last` and the draft: the tokens the target commits."""
-        return run_steps(self.verify_steps(last, draft))
-
     def first_steps(self, prompt: list[int]) -> Steps[Verdict]:
-        """first as a decode coroutine (lockstep.Steps: a pool's generations run so). The first token comes from the
-        prompt's own batch, as llama-server's does: a pool's request starts a tick earlier than with its own pass."""
+        """Decode `prompt` into the target's cache, reusing its common prefix with what the cache holds (its last
+        token decoded again where all of it is there), and pick the first token from its last row: the prompt's own
+        batch, as llama-server's, so a pool's request starts a tick earlier than with a pass of its own. A decode
+        coroutine (lockstep.Steps: run_steps runs it in the calling thread)."""
         t = self.target
         seconds, decoded, batched = t.decode_seconds, t.n_decoded_tokens, t.n_batched_tokens
         hidden = None
@@ -154,7 +147,7 @@ class Verifier:
                        t.n_batched_tokens - batched, t.last_batch, t.lane)
 
     def verify_steps(self, last: int, draft: Draft) -> Steps[Verdict]:
-        """verify as a decode coroutine."""
+        """One target pass over `last` and the draft: the tokens the target commits (a decode coroutine)."""
         t = self.target
         seconds, decoded, batched = t.decode_seconds, t.n_decoded_tokens, t.n_batched_tokens
         if draft.tree is None:
