@@ -16,7 +16,7 @@ from ggufspec.lockstep import NO_BATCH, BatchShape, even_lanes, micro_batches, m
 from ggufspec.policy import PLAIN, Plan, Timing
 from ggufspec.policy.adaptive import (MIN_GAIN, PHRASE_MATCH, PROBE_EVERY, PROBE_GAIN, SHARED_GAIN,
                                       AdaptiveLength)
-from ggufspec.policy.auto import AutoPolicy, SlotRecords
+from ggufspec.policy.auto import REACH_TICKS, AutoPolicy, SlotRecords
 from ggufspec.policy.tree_sizer import TreeSizer
 from ggufspec.proposers import NO_DRAFT, Context, Draft, Proposer
 from ggufspec.proposers.draft_model import DraftModelProposer
@@ -435,6 +435,54 @@ def test_drafting_beside_other_slots_must_clear_a_wider_margin() -> None:
     length.acceptance = [0.7] * 4
     assert length.planned() == 0
     assert batch.shared and not pool.shared and not SharedBatch(pool, [0, 1], lane=1).shared  # alone in its batch
+
+
+def test_a_pool_where_nothing_pays_steps_plain_unpriced_until_its_plan_is_due(tiny_draft) -> None:
+    """Beside 7 busy slots at the Xeon's prices, drafts kept half the time do not pay (nor would a probe, priced by
+    every slot's record) and no lookup guess could: one slot works the pool's plan out, and every slot's steps are
+    then plain without pricing until the plan is due again (REACH_TICKS ticks); drafts that start paying are then
+    drafted by every slot in the same tick."""
+    pool = replace(XEON_POOL, slots=8, slot_verify=[0.232, 0.30, 0.36], draft_sizes=[8], draft_batches=[0.0392])
+    priced: list[tuple[int, int]] = []  # (tick, lane) of every batch price worked out
+    padded = pool.padded_seconds
+    tick, lane = 0, 0
+
+    def counted(*args, **kwargs):
+        priced.append((tick, lane))
+        return padded(*args, **kwargs)
+
+    pool.padded_seconds = counted
+    records, greedy = SlotRecords(), SamplingParams()
+    context = [1, 17, 29, 301]
+    with open_decoder(tiny_draft) as d:
+        slots = [AutoPolicy(pool, 4, model=True, slot_records=records, peers=lambda: 7) for _ in range(8)]
+        proposers = [begin(auto, LookupProposer(d.n_vocab), DraftModelProposer(d, d.n_vocab, greedy, None), context)
+                     for auto in slots]
+        for auto in slots:
+            auto.model_length.acceptance = [0.5] * 4  # 1.03x plain batching, short of SHARED_GAIN
+        plans: list[list[Plan]] = []
+        for tick in range(1, 3 * REACH_TICKS):
+            if tick == 2 * REACH_TICKS:  # the drafts now pay (the probes' records, as if kept)
+                for auto in slots:
+                    auto.model_length.acceptance = [0.94] * 4
+            plans.append([])
+            for lane, (auto, props) in enumerate(zip(slots, proposers)):
+                plan, draft = step(auto, props, context, 4, room=500)
+                plans[-1].append(plan)
+                kept = len(draft.tokens) if tick >= 2 * REACH_TICKS else 0
+                verdict = Verdict([*draft.tokens[:kept], 0], len(draft.tokens), 0.0, len(draft.tokens) + 1, 0,
+                                  shape=BatchShape((1,) * 8, tick), lane=lane)
+                auto.observe(plan, draft, verdict, None)
+            d.reset()  # (the context stays: 4 tokens for a probe's draft to catch up on)
+    assert not any(p.source for row in plans[: 2 * REACH_TICKS - 1] for p in row)
+    # after the first tick (every slot's own prices: the batch's shape is not known yet), a slot's full plan prices
+    # the batch once in REACH_TICKS ticks (and a probe due, weighed); never two slots in a tick
+    ticks = sorted({t for t, _ in priced if 1 < t < 2 * REACH_TICKS})
+    assert 1 <= len(ticks) <= 2 + 2 * REACH_TICKS // PROBE_EVERY, ticks
+    assert all(len({ln for t, ln in priced if t == tick}) == 1 for tick in ticks), priced
+    drafting = [t + 1 for t, row in enumerate(plans) if any(p.source for p in row)]
+    assert drafting and 2 * REACH_TICKS <= drafting[0] <= 3 * REACH_TICKS - 2, drafting
+    assert all(len(set(plans[t - 1])) == 1 and plans[t - 1][0].source == "draft" for t in drafting)  # all at once
 
 
 def test_a_pool_s_steps_are_priced_by_their_shape_as_measured_together() -> None:

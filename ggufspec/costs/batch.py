@@ -140,6 +140,9 @@ class SharedBatch(Prices):
             answer = self._best[key] = super().best(acceptance, k_max, k_min, free, longer)
         return answer
 
+    def learned(self, tick: int) -> bool:
+        return self.base.learned(tick)
+
     def observe(self, *args: Any, **kwargs: Any) -> None:
         """CostModel.observe's, to the base (this view's remembered prices forgotten where it learned)."""
         views = self.base.views
@@ -184,6 +187,9 @@ class MtpPrices(Prices):
 
     def step_seconds(self, k: int, free: bool = False) -> float:
         return k * (0.0 if free else self.draft) + self.base.batch_seconds(k + 1) + self.holds(k, free)
+
+    def learned(self, tick: int) -> bool:
+        return self.base.learned(tick)
 
     def observe(self, *args: Any, **kwargs: Any) -> None:
         """CostModel.observe's, to the base, the drafter's decodes as the head's."""

@@ -21,9 +21,17 @@ class ContextCosts:
         self._by_size: dict[int, CostModel] = {0: base}
 
     def at(self, n_ctx: int) -> CostModel:
-        size = (max(n_ctx - 1, 0) // CONTEXT_SIZE).bit_length()
+        size = self._size(n_ctx)
         if size not in self._by_size:
             smaller = self._by_size[max(s for s in self._by_size if s < size)]
             self._by_size[size] = smaller.copy()
         return self._by_size[size]
 
+
+    def last_at(self, n_ctx: int) -> int:
+        """The longest context that at() prices with the same model as n_ctx."""
+        return CONTEXT_SIZE << self._size(n_ctx)
+
+    @staticmethod
+    def _size(n_ctx: int) -> int:
+        return (max(n_ctx - 1, 0) // CONTEXT_SIZE).bit_length()

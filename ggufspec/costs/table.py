@@ -54,6 +54,10 @@ class Prices(ABC):
                 tick: int = -1, draft_tick: int = -1, mtp: bool = False) -> None:
         """Learn from what one step really cost (CostModel.observe)."""
 
+    def learned(self, tick: int) -> bool:
+        """Whether shared target batch `tick` has taught its price already (observe learns from its first step)."""
+        return False
+
     @abstractmethod
     def copy(self) -> CostModel:
         """An independent CostModel to price and learn from (a view's: its CostModel's copy)."""
@@ -225,10 +229,13 @@ class CostModel(Prices):
         (`verify_s` their total), `tick` its number where shared; `draft_decodes` draft decodes took `draft_s`, each
         a batch of `draft_width` tokens, `draft_tick` the last one's number where shared; `mtp`: the drafter was the
         MTP head. Each price moves by `weight` (learn.observe says which, and how far)."""
-        if 0 <= tick == self.ticks.target and not draft_decodes:  # a tick's later slot: learned from its first
+        if self.learned(tick) and not draft_decodes:  # a tick's later slot: learned from its first
             return
         learn.observe(self, learn.TargetPass(n_verify, verify_s, verify_seqs, verify_shapes, tick),
                       learn.DraftPasses(draft_decodes, draft_s, draft_width, draft_tick, mtp), weight)
+
+    def learned(self, tick: int) -> bool:
+        return 0 <= tick == self.ticks.target
 
     def forget_prices(self) -> None:
         """After learning: micro_seconds' and padded_seconds' remembered prices, and the views priced from them, are

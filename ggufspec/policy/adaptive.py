@@ -33,7 +33,7 @@ class AdaptiveLength:
     tends to get the next one right too), carried from one generation to the next but pulled
     halfway back to the prior at each start, so every prompt gets a fair try. While off, a probe
     at the best non-zero length keeps the estimates alive: after PROBE_EVERY plain steps, twice
-    as long after each probe that did not pay for itself. A probe costs a bigger batch and a draft
+    as long after each probe that did not pay for itself or was not worth making (defer). A probe costs a bigger batch and a draft
     catching up, so none is made when even good drafts would gain little (on CPUs where a batch of
     4 costs ~2.6 decodes, as on the AVX2-only machines here, the best case is a few percent).
     """
@@ -76,10 +76,29 @@ class AdaptiveLength:
         self._probing = False
         if k == 0:
             self._off_steps += 1
-            if self._off_steps >= self.probe_every and self._worth_probing():
+            if self._off_steps >= self.probe_every:
+                if not self._worth_probing():
+                    self.defer()
+                    return 0
                 self._off_steps, self._probing = 0, True
                 return self.costs.best_k(self.acceptance, self.k_max, k_min=1, free=self.free, longer=self._longer())
         return k
+
+    def defer(self) -> None:
+        """A probe due but not made (not worth it at these prices, or its drafter's catching up would not pay) waits
+        twice as long, as one that did not pay: prices and contexts move slowly, and weighed again every step, a
+        pool's plain steps were each priced in full for nothing."""
+        self._off_steps = 0
+        self.probe_every = min(2 * self.probe_every, PROBE_EVERY_MAX)
+
+    def rests(self) -> bool:
+        """Whether choose(0) would now return 0 without pricing: no probe is due this step."""
+        return self._off_steps + 1 < self.probe_every
+
+    def rest(self) -> None:
+        """choose(0) where rests(): a plain step counted toward the next probe."""
+        self._off_steps += 1
+        self._probing = False
 
     def _worth_probing(self) -> bool:
         k = self.costs.best_k(OPTIMISTIC, self.k_max, free=self.free)
@@ -109,6 +128,8 @@ class AdaptiveLength:
         c = self.costs
         if timing is None:
             spent = c.step_seconds(drafted, self.free)
+        elif not (drafted or timing.draft_decodes or self._probing) and c.learned(timing.batch.tick):
+            return  # a plain step in a shared batch another slot's step has taught already: nothing to learn
         else:
             t = timing
             draft_s, decodes, tokens = (0.0, 0, 0) if self.free else (t.propose_seconds, t.draft_decodes, t.draft_tokens)

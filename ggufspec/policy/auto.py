@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
-
 from ..costs import ContextCosts, CostModel, MtpPrices, Prices, SharedBatch
 from ..decoder import SLOT_CHUNK
 from ..history import common_prefix
@@ -27,26 +25,35 @@ CATCH_UP_HORIZON = PROBE_EVERY_MAX
 # docs/methods.md#measured-constants: PROBE_CATCH_UP_SHARE
 PROBE_CATCH_UP_SHARE = 0.1
 # _lookup_may_pay's answer stands this many ticks while the batch keeps its shape, and so does a pool's plan where no
-# model drafts (price_at): prices move a little every tick, and working them out cost a tick's first slot as much as
-# a plain step
-REACH_TICKS = 8
+# model drafts (price_at) unless a probe drafts: prices move a little every tick, and working them out costs the
+# tick's first slot several plain steps' Python (docs/methods.md#measured-constants: REACH_TICKS)
+REACH_TICKS = 16
 MTP_MEMORY = 0.8  # the MTP head's record: each judged guess moves it 20% of the way (other records: 5%)
 SOURCE_NAMES = {"draft": "draft model", "lookup": "lookup", "medusa": "Medusa tree", "mtp": "MTP head"}  # decision()
 MODEL_NAMES = {"draft": "the draft model", "mtp": "the MTP head"}  # the drafting models, as decision() says them
 
 
-class TickPlan(NamedTuple):
+@dataclass
+class TickPlan:
     """AutoPolicy.price_at's answer for a batch whose slots all added as many tokens, which every slot takes."""
 
     tick: int  # the batch it was worked out after
     planned: dict[str, int] | None  # each drafting model's length (None: a prompt's chunk goes on beside)
     views: tuple[Prices, ...]  # each record's prices, in AutoPolicy._records' order
     costs: CostModel  # the cost model (by context size) priced from
+    key: tuple  # its key in SlotRecords.plans
+    lanes: tuple[int, ...]  # the batch it was worked out after, as many tokens of each slot
+    reach: bool | None = None  # _lookup_may_pay's answer in this batch, once a slot has worked it out
+    replaced: bool = False  # a newer plan took its key: a slot's plan stands while the pool's is this one
+
+    def __post_init__(self) -> None:
+        self.idle = self.planned is not None and not any(self.planned.values())  # no model drafts: it may stand
+        self.until = self.tick + (REACH_TICKS if self.idle else 1)  # the first tick it no longer prices (price_at)
 
     @property
-    def idle(self) -> bool:
-        """No model drafts: the plan may stand REACH_TICKS ticks."""
-        return self.planned is not None and not any(self.planned.values())
+    def quiet(self) -> bool:
+        """Every slot's step is a plain one (AutoPolicy._quiet): no model drafts, and no lookup guess could pay."""
+        return self.idle and self.reach is False
 
 
 @dataclass
@@ -124,6 +131,9 @@ class AutoPolicy:
         self.guessed = 0
         self.unsearched = 0  # steps whose batch left lookup no guess worth searching for (_lookup_may_pay)
         self._reach: tuple[int, tuple, bool] | None = None  # _lookup_may_pay's last answer: (tick, shape, answer)
+        self._tick_plan: TickPlan | None = None  # the pool's plan the last price_at took (None: priced its own)
+        self._last_ctx = 0  # the longest context priced by the same cost model as the last price_at's
+        self._quiet_step = False  # the step planned is a quiet one (_quiet)
 
     @property
     def k_cap(self) -> int:
@@ -159,25 +169,32 @@ class AutoPolicy:
         """Price the next steps at the costs learned for a context of n_ctx tokens, in a batch shared with the other
         slots of the last one. Returns each drafting model's planned length where pricing it took it, else None."""
         costs = self.context_costs.at(n_ctx)
+        self._last_ctx = self.context_costs.last_at(n_ctx)
         if not (self.lanes and sum(self.lanes) > self.lanes[self.lane]):  # a batch of its own
+            self._tick_plan = None
             for length in self._records:
                 length.costs = self._prices(length, costs)
             return None
         # where every slot added as many tokens to the last batch, every slot's prices are the same: worked out by the
         # tick's first slot, taken by the others; where no model drafts, for REACH_TICKS ticks (the views' prices are
-        # then a few ticks old; what the slots' steps teach still goes to the cost model)
+        # then a few ticks old, and what the slots' full steps teach the cost model prices the next plan)
         pool = self.slot_records
         even = pool is not None and self.tick >= 0 and self.lanes.count(self.lanes[0]) == len(self.lanes)
         key = (id(costs), len(self.lanes), self.lanes[0], self.k_max, self._model_names)
         kept = pool.plans.get(key) if even else None
-        if kept is not None and kept.costs is costs and (kept.tick == self.tick or kept.idle and
-                                                         0 <= self.tick - kept.tick < REACH_TICKS):
-            for length, view in zip(self._records, kept.views):
-                length.costs = view
+        if kept is not None and kept.costs is costs and kept.tick <= self.tick < kept.until:
+            if kept is not self._tick_plan:  # (the records hold its views from this slot's last step otherwise)
+                self._tick_plan = kept
+                for length, view in zip(self._records, kept.views):
+                    length.costs = view
             return kept.planned  # (read only)
         planned = self._price_shared(costs)
+        self._tick_plan = None
         if even:
-            pool.plans[key] = TickPlan(self.tick, planned, tuple(length.costs for length in self._records), costs)
+            if kept is not None:
+                kept.replaced = True
+            views = tuple(r.costs for r in self._records)
+            self._tick_plan = pool.plans[key] = TickPlan(self.tick, planned, views, costs, key, self.lanes)
         return planned
 
     def _price_shared(self, costs: CostModel) -> dict[str, int] | None:
@@ -229,6 +246,7 @@ class AutoPolicy:
         self.peers = self._peers()
         self.lanes, self.lane = ((1,) * (1 + self.peers), 0) if self.peers else ((), 0)
         self.tick = -1
+        self._tick_plan = None
         self.price_at(len(prompt) + 1)
         return {name for name, record, _ in self.models() if self._proposer(name) is not None and record.planned() > 0}
 
@@ -243,6 +261,9 @@ class AutoPolicy:
         return self.model if name == "draft" else self.mtp
 
     def plan(self, context: Context, room: int, deferred: int) -> Plan:
+        self._quiet_step = self._quiet(len(context))
+        if self._quiet_step:
+            return PLAIN
         nodes = None
         if self.sizer is not None and context.hidden is not None:
             nodes = self.sizer.plan(max_depth=room - 1)
@@ -287,6 +308,34 @@ class AutoPolicy:
             self._unverified.append(judged_later)
         return self._model_plan(context, room, min(k, self.k_max - deferred), planned)
 
+    def _quiet(self, n_ctx: int) -> bool:
+        """A pool's plain step known without pricing it, as most are where nothing pays (beside many busy slots on a
+        CPU): the pool's plan that priced this slot's last step stands (price_at's rule), has no model drafting and
+        no lookup guess worth searching for, no guess of this slot's waits to be judged, and no probe is due.
+        Counted as the full plan would count it; the first drafting model's record times it (the full plan's
+        catch-up rule is weighed when a probe is due)."""
+        now = self._tick_plan
+        if now is None or self._unverified or n_ctx > self._last_ctx or self.sizer is not None:
+            return False
+        if now.replaced:  # another slot's newer plan, taken as price_at takes it
+            now = self.slot_records.plans.get(now.key)
+            if now is None:
+                return False
+            self._tick_plan = now
+            for length, view in zip(self._records, now.views):
+                length.costs = view
+        if not (now.quiet and now.tick <= self.tick < now.until and self.lanes == now.lanes):
+            return False
+        for _, record, _ in self._models:
+            if not record.rests():
+                return False
+        for _, record, _ in self._models:
+            record.rest()
+        self.source = self._models[0][1] if self._models else self.lookup_length
+        self._proposed = None
+        self.unsearched += 1
+        return True
+
     def _lookup_may_pay(self) -> bool:
         """Whether any lookup guess could pay in the batch priced: where even one of the longest kept whole would not
         (beside many busy slots on a CPU), the search is skipped, and so is what its records would learn from it.
@@ -295,12 +344,18 @@ class AutoPolicy:
         c, longer = self.copy_length.costs, self.copy_length.longer
         if not c.shared:
             return True
+        tick = self._tick_plan  # where every slot's batch is alike, one slot works it out for all
+        if tick is not None and tick.reach is not None:
+            return tick.reach
         shape = (self.lanes, self.lane, id(c.base), longer)
-        if self._reach is not None and self._reach[1] == shape and 0 <= self.tick - self._reach[0] < REACH_TICKS:
+        if (tick is None and self._reach is not None and self._reach[1] == shape
+                and 0 <= self.tick - self._reach[0] < REACH_TICKS):
             return self._reach[2]
         _, best = c.best(1.0, self.k_max, k_min=1, free=True, longer=longer)
         reach = best >= SHARED_GAIN * c.rate(0, 1.0)
         self._reach = (self.tick, shape, reach)
+        if tick is not None:
+            tick.reach = reach
         return reach
 
     def _model_plan(self, context: list[int], room: int, k: int, planned: dict[str, int] | None) -> Plan:
@@ -311,7 +366,11 @@ class AutoPolicy:
         for name, record, _ in self.models():
             proposer = self._proposer(name)
             at = record.planned() if planned is None else planned[name]
-            if proposer is None or not self._catch_up_pays(proposer, record, context, room, at):
+            if proposer is None:
+                continue
+            if not self._catch_up_pays(proposer, record, context, room, at):
+                if not at and not record.rests():
+                    record.defer()
                 continue
             first = first or record
             n = min(record.choose(at), k)
@@ -326,9 +385,14 @@ class AutoPolicy:
 
     def observe(self, plan: Plan, draft: Draft, verdict: Verdict, timing: Timing | None) -> None:
         self.lanes, self.lane, self.tick = verdict.shape.lanes, verdict.lane, verdict.shape.tick
+        if self._quiet_step:  # a plain step of a pool whose records are registered (the full plan came first)
+            self.steps[None] += 1  # the cost model learns such batches from the next full plan's step: until then
+            return  # the pool's plan stands, and no price learned meanwhile prices a step
         for _, record, slots in self.models() if verdict.shape.lanes else ():
             if slots is not None:
                 slots[self.lane] = record
+        if plan.source in self._model_names and self._tick_plan is not None:  # what it priced changes: the pool's
+            self._tick_plan.until = min(self._tick_plan.until, self.tick + 1)  # plan is priced again next tick
         source = plan.source if draft.tokens else None  # a step that drafted nothing ran as a plain one
         self.steps[source] = self.steps.get(source, 0) + 1
         drafted = kept = 0

@@ -40,6 +40,10 @@ class Context:
         context._tokens, context._history, context._last = None, history, last
         return context
 
+    def __len__(self) -> int:
+        """How many tokens: read without joining them."""
+        return len(self._tokens) if self._tokens is not None else len(self._history) + 1
+
     @property
     def tokens(self) -> list[int]:
         if self._tokens is None:
