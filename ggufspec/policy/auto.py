@@ -49,11 +49,11 @@ class TickPlan:
     def __post_init__(self) -> None:
         self.idle = self.planned is not None and not any(self.planned.values())  # no model drafts: it may stand
         self.until = self.tick + (REACH_TICKS if self.idle else 1)  # the first tick it no longer prices (price_at)
+        self.quiet = False  # every slot's step is a plain one (AutoPolicy._quiet): idle, and no lookup guess pays
 
-    @property
-    def quiet(self) -> bool:
-        """Every slot's step is a plain one (AutoPolicy._quiet): no model drafts, and no lookup guess could pay."""
-        return self.idle and self.reach is False
+    def reached(self, reach: bool) -> None:
+        """_lookup_may_pay's answer, worked out by a slot for every slot."""
+        self.reach, self.quiet = reach, self.idle and not reach
 
 
 @dataclass
@@ -125,6 +125,8 @@ class AutoPolicy:
         self._models = [m for m in (("draft", self.model_length, pool.draft if pool else None),
                                     ("mtp", self.mtp_length, pool.mtp if pool else None)) if m[1] is not None]
         self._model_names = tuple(name for name, _, _ in self._models)
+        self._model_records = tuple(record for _, record, _ in self._models)
+        self._quiet_source = self._model_records[0] if self._models else self.lookup_length  # the record timing one
         self._mtp_prices: dict[int, MtpPrices] = {}  # a view per cost model (ContextCosts keeps them)
         # this generation's steps by what drafted them (None: plain), and the steps lookup had a guess at: decision()
         self.steps: dict[str | None, int] = {}
@@ -184,17 +186,18 @@ class AutoPolicy:
         kept = pool.plans.get(key) if even else None
         if kept is not None and kept.costs is costs and kept.tick <= self.tick < kept.until:
             if kept is not self._tick_plan:  # (the records hold its views from this slot's last step otherwise)
-                self._tick_plan = kept
+                self._tick_plan = kept if self.sizer is None else None
                 for length, view in zip(self._records, kept.views):
                     length.costs = view
             return kept.planned  # (read only)
         planned = self._price_shared(costs)
         self._tick_plan = None
-        if even:
+        if even:  # (Medusa's steps are planned in full every step: its sizer plans a tree)
             if kept is not None:
                 kept.replaced = True
             views = tuple(r.costs for r in self._records)
-            self._tick_plan = pool.plans[key] = TickPlan(self.tick, planned, views, costs, key, self.lanes)
+            pool.plans[key] = TickPlan(self.tick, planned, views, costs, key, self.lanes)
+            self._tick_plan = pool.plans[key] if self.sizer is None else None
         return planned
 
     def _price_shared(self, costs: CostModel) -> dict[str, int] | None:
@@ -315,7 +318,7 @@ class AutoPolicy:
         Counted as the full plan would count it; the first drafting model's record times it (the full plan's
         catch-up rule is weighed when a probe is due)."""
         now = self._tick_plan
-        if now is None or self._unverified or n_ctx > self._last_ctx or self.sizer is not None:
+        if now is None or self._unverified or n_ctx > self._last_ctx:
             return False
         if now.replaced:  # another slot's newer plan, taken as price_at takes it
             now = self.slot_records.plans.get(now.key)
@@ -326,12 +329,12 @@ class AutoPolicy:
                 length.costs = view
         if not (now.quiet and now.tick <= self.tick < now.until and self.lanes == now.lanes):
             return False
-        for _, record, _ in self._models:
+        for record in self._model_records:
             if not record.rests():
                 return False
-        for _, record, _ in self._models:
+        for record in self._model_records:
             record.rest()
-        self.source = self._models[0][1] if self._models else self.lookup_length
+        self.source = self._quiet_source
         self._proposed = None
         self.unsearched += 1
         return True
@@ -355,7 +358,7 @@ class AutoPolicy:
         reach = best >= SHARED_GAIN * c.rate(0, 1.0)
         self._reach = (self.tick, shape, reach)
         if tick is not None:
-            tick.reach = reach
+            tick.reached(reach)
         return reach
 
     def _model_plan(self, context: list[int], room: int, k: int, planned: dict[str, int] | None) -> Plan:
