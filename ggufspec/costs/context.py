@@ -27,7 +27,6 @@ class ContextCosts:
             self._by_size[size] = smaller.copy()
         return self._by_size[size]
 
-
     def last_at(self, n_ctx: int) -> int:
         """The longest context that at() prices with the same model as n_ctx."""
         return CONTEXT_SIZE << self._size(n_ctx)

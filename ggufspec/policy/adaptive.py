@@ -33,9 +33,10 @@ class AdaptiveLength:
     tends to get the next one right too), carried from one generation to the next but pulled
     halfway back to the prior at each start, so every prompt gets a fair try. While off, a probe
     at the best non-zero length keeps the estimates alive: after PROBE_EVERY plain steps, twice
-    as long after each probe that did not pay for itself or was not worth making (defer). A probe costs a bigger batch and a draft
-    catching up, so none is made when even good drafts would gain little (on CPUs where a batch of
-    4 costs ~2.6 decodes, as on the AVX2-only machines here, the best case is a few percent).
+    as long after each probe that did not pay for itself or was not worth making (defer). A probe
+    costs a bigger batch and a draft catching up, so none is made when even good drafts would gain
+    little (on CPUs where a batch of 4 costs ~2.6 decodes, as on the AVX2-only machines here, the
+    best case is a few percent).
     """
 
     def __init__(self, costs: Prices, k_max: int, prior: float = 0.7, memory: float = 0.95,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
 from ..costs import ContextCosts, CostModel, MtpPrices, Prices, SharedBatch
 from ..decoder import SLOT_CHUNK
 from ..history import common_prefix
