@@ -26,9 +26,9 @@ CATCH_UP_HORIZON = PROBE_EVERY_MAX
 # docs/methods.md#measured-constants: PROBE_CATCH_UP_SHARE
 PROBE_CATCH_UP_SHARE = 0.1
 # _lookup_may_pay's answer stands this many ticks while the batch keeps its shape, and so does a pool's plan where no
-# model drafts (price_at) unless a probe drafts: prices move a little every tick, and working them out costs the
+# model drafts (price_at) unless a probe drafts: prices move a little a tick, and working them out again costs the
 # tick's first slot several plain steps' Python (docs/methods.md#measured-constants: REACH_TICKS)
-REACH_TICKS = 16
+REACH_TICKS = 64
 MTP_MEMORY = 0.8  # the MTP head's record: each judged guess moves it 20% of the way (other records: 5%)
 SOURCE_NAMES = {"draft": "draft model", "lookup": "lookup", "medusa": "Medusa tree", "mtp": "MTP head"}  # decision()
 MODEL_NAMES = {"draft": "the draft model", "mtp": "the MTP head"}  # the drafting models, as decision() says them
