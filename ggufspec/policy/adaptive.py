@@ -96,10 +96,14 @@ class AdaptiveLength:
         """Whether choose(0) would now return 0 without pricing: no probe is due this step."""
         return self._off_steps + 1 < self.probe_every
 
-    def rest(self) -> None:
-        """choose(0) where rests(): a plain step counted toward the next probe."""
+    def rest(self) -> bool:
+        """choose(0) where it would return 0 without pricing (True: a plain step counted toward the next probe);
+        False, counting nothing, where a probe is due."""
+        if self._off_steps + 1 >= self.probe_every:
+            return False
         self._off_steps += 1
         self._probing = False
+        return True
 
     def _worth_probing(self) -> bool:
         k = self.costs.best_k(OPTIMISTIC, self.k_max, free=self.free)

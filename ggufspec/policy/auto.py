@@ -265,7 +265,7 @@ class AutoPolicy:
         return self.model if name == "draft" else self.mtp
 
     def plan(self, context: Context, room: int, deferred: int) -> Plan:
-        self._quiet_step = self._quiet(len(context))
+        self._quiet_step = self._tick_plan is not None and self._quiet(len(context))
         if self._quiet_step:
             return PLAIN
         nodes = None
@@ -317,9 +317,9 @@ class AutoPolicy:
         CPU): the pool's plan that priced this slot's last step stands (price_at's rule), has no model drafting and
         no lookup guess worth searching for, no guess of this slot's waits to be judged, and no probe is due.
         Counted as the full plan would count it; the first drafting model's record times it (the full plan's
-        catch-up rule is weighed when a probe is due)."""
+        catch-up rule is weighed when a probe is due). Needs a pool's plan held (`_tick_plan`)."""
         now = self._tick_plan
-        if now is None or self._unverified or n_ctx > self._last_ctx:
+        if self._unverified or n_ctx > self._last_ctx:
             return False
         if now.replaced:  # another slot's newer plan, taken as price_at takes it
             now = self.slot_records.plans.get(now.key)
@@ -330,11 +330,12 @@ class AutoPolicy:
                 length.costs = view
         if not (now.quiet and now.tick <= self.tick < now.until and self.lanes == now.lanes):
             return False
-        for record in self._model_records:
-            if not record.rests():
+        records = self._model_records
+        if len(records) > 1 and not all(record.rests() for record in records):  # (none counts unless all rest)
+            return False
+        for record in records:
+            if not record.rest():
                 return False
-        for record in self._model_records:
-            record.rest()
         self.source = self._quiet_source
         self._proposed = None
         self.unsearched += 1
