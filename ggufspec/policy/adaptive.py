@@ -33,7 +33,7 @@ class AdaptiveLength:
     tends to get the next one right too), carried from one generation to the next but pulled
     halfway back to the prior at each start, so every prompt gets a fair try. While off, a probe
     at the best non-zero length keeps the estimates alive: after PROBE_EVERY plain steps, twice
-    as long after each probe that did not pay for itself or was not worth making (defer). A probe
+    as long after each probe that did not pay for itself (one not worth making: defer). A probe
     costs a bigger batch and a draft catching up, so none is made when even good drafts would gain
     little (on CPUs where a batch of 4 costs ~2.6 decodes, as on the AVX2-only machines here, the
     best case is a few percent).
@@ -86,11 +86,11 @@ class AdaptiveLength:
         return k
 
     def defer(self) -> None:
-        """A probe due but not made (not worth it at these prices, or its drafter's catching up would not pay) waits
-        twice as long, as one that did not pay: prices and contexts move slowly, and weighed again every step, a
-        pool's plain steps were each priced in full for nothing."""
+        """A probe due but not made (not worth it at these prices, or its drafter's catching up would not pay) is
+        weighed again after as many plain steps: weighed every step, a pool's plain steps were each priced in full.
+        (Not twice as long, as after a probe that did not pay: in a pool a probe becomes worth it when the other
+        slots' records change, and the pool's slots waited too long to draft again.)"""
         self._off_steps = 0
-        self.probe_every = min(2 * self.probe_every, PROBE_EVERY_MAX)
 
     def rests(self) -> bool:
         """Whether choose(0) would now return 0 without pricing: no probe is due this step."""

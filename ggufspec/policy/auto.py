@@ -45,7 +45,7 @@ class TickPlan:
     key: tuple  # its key in SlotRecords.plans
     lanes: tuple[int, ...]  # the batch it was worked out after, as many tokens of each slot
     reach: bool | None = None  # _lookup_may_pay's answer in this batch, once a slot has worked it out
-    replaced: bool = False  # a newer plan took its key: a slot's plan stands while the pool's is this one
+    replaced: bool = False  # a newer plan took its key, or a record it priced restarted (SlotRecords.renew)
 
     def __post_init__(self) -> None:
         self.idle = self.planned is not None and not any(self.planned.values())  # no model drafts: it may stand
@@ -67,6 +67,12 @@ class SlotRecords:
     mtp: dict[int, AdaptiveLength] = field(default_factory=dict)  # the MTP heads'
     contexts: dict[int, ContextCosts] = field(default_factory=dict)  # by id of the measured cost model
     plans: dict[tuple, TickPlan] = field(default_factory=dict)  # AutoPolicy.price_at's, for batches of even lanes
+
+    def renew(self) -> None:
+        """A slot's record restarted (a generation begins): every plan priced with the old one is priced again."""
+        for plan in self.plans.values():
+            plan.replaced = True
+        self.plans.clear()
 
     def context_costs(self, costs: CostModel) -> ContextCosts:
         """The pool's cost models by context size, starting from `costs`."""
@@ -243,6 +249,8 @@ class AutoPolicy:
             check_tree(self.sizer, proposers)
         for length in self._records:
             length.restart()
+        if self.slot_records is not None:
+            self.slot_records.renew()
         self._unverified.clear()
         self.source = self._proposed = None
         # passes by what they drafted from: the prompt's, which picks the first token, drafts nothing
@@ -391,8 +399,9 @@ class AutoPolicy:
     def observe(self, plan: Plan, draft: Draft, verdict: Verdict, timing: Timing | None) -> None:
         self.lanes, self.lane, self.tick = verdict.shape.lanes, verdict.lane, verdict.shape.tick
         if self._quiet_step:  # a plain step of a pool whose records are registered (the full plan came first)
-            self.steps[None] += 1  # the cost model learns such batches from the next full plan's step: until then
-            return  # the pool's plan stands, and no price learned meanwhile prices a step
+            self.steps[None] += 1
+            self.source.update(0, 0, timing)  # (the tick's first slot teaches the cost model; the others return)
+            return
         for _, record, slots in self.models() if verdict.shape.lanes else ():
             if slots is not None:
                 slots[self.lane] = record
