@@ -29,6 +29,10 @@ PROBE_CATCH_UP_SHARE = 0.1
 # model drafts (price_at) unless a probe drafts: prices move a little a tick, and working them out again costs the
 # tick's first slot several plain steps' Python (docs/methods.md#measured-constants: REACH_TICKS)
 REACH_TICKS = 64
+# While a pool's plan stands (REACH_TICKS ticks where nothing drafts), the cost model learns from one quiet tick in
+# this many (its first slot's step): the prices learned meanwhile price only the next plan, and learning from every
+# tick cost a pool of 8 quiet slots as much as their planning (docs/methods.md#measured-constants: QUIET_LEARN_EVERY)
+QUIET_LEARN_EVERY = 4
 MTP_MEMORY = 0.8  # the MTP head's record: each judged guess moves it 20% of the way (other records: 5%)
 SOURCE_NAMES = {"draft": "draft model", "lookup": "lookup", "medusa": "Medusa tree", "mtp": "MTP head"}  # decision()
 MODEL_NAMES = {"draft": "the draft model", "mtp": "the MTP head"}  # the drafting models, as decision() says them
@@ -400,7 +404,8 @@ class AutoPolicy:
         self.lanes, self.lane, self.tick = verdict.shape.lanes, verdict.lane, verdict.shape.tick
         if self._quiet_step:  # a plain step of a pool whose records are registered (the full plan came first)
             self.steps[None] += 1
-            self.source.update(0, 0, timing)  # (the tick's first slot teaches the cost model; the others return)
+            if timing is not None and timing.batch.tick % QUIET_LEARN_EVERY == 0:
+                self.source.update(0, 0, timing)  # (the tick's first slot teaches the cost model; the others return)
             return
         for _, record, slots in self.models() if verdict.shape.lanes else ():
             if slots is not None:
