@@ -78,7 +78,7 @@ class AdaptiveLength:
         if k == 0:
             self._off_steps += 1
             if self._off_steps >= self.probe_every:
-                if not self._worth_probing():
+                if not self.worth_probing():
                     self.defer()
                     return 0
                 self._off_steps, self._probing = 0, True
@@ -105,7 +105,8 @@ class AdaptiveLength:
         self._probing = False
         return True
 
-    def _worth_probing(self) -> bool:
+    def worth_probing(self) -> bool:
+        """Whether drafts kept OPTIMISTIC of the time would beat plain steps by PROBE_GAIN at these prices."""
         k = self.costs.best_k(OPTIMISTIC, self.k_max, free=self.free)
         rate = self.costs.expected_rate
         return k > 0 and rate(k, OPTIMISTIC, self.free) >= PROBE_GAIN * rate(0, 0)

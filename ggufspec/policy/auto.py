@@ -55,6 +55,15 @@ class TickPlan:
         self.idle = self.planned is not None and not any(self.planned.values())  # no model drafts: it may stand
         self.until = self.tick + (REACH_TICKS if self.idle else 1)  # the first tick it no longer prices (price_at)
         self.quiet = False  # every slot's step is a plain one (AutoPolicy._quiet): idle, and no lookup guess pays
+        self.worth: dict[int, bool] = {}  # worth_probing's answers, by the record's prices (a view of this plan)
+
+    def worth_probing(self, record: AdaptiveLength) -> bool:
+        """Whether a probe of `record`'s drafter could pay at this plan's prices (AdaptiveLength.worth_probing),
+        worked out by a slot for every slot: its price reads every slot's record (SharedBatch, following)."""
+        worth = self.worth.get(id(record.costs))
+        if worth is None:
+            worth = self.worth[id(record.costs)] = record.worth_probing()
+        return worth
 
     def reached(self, reach: bool) -> None:
         """_lookup_may_pay's answer, worked out by a slot for every slot."""
@@ -346,8 +355,10 @@ class AutoPolicy:
         if len(records) > 1 and not all(record.rests() for record in records):  # (none counts unless all rest)
             return False
         for record in records:
-            if not record.rest():
-                return False
+            if not record.rest():  # a probe is due: the full plan makes it, unless the pool's plan says none pays
+                if len(records) > 1 or now.worth_probing(record):
+                    return False
+                record.defer()
         self.source = self._quiet_source
         self._proposed = None
         self.unsearched += 1
