@@ -32,7 +32,7 @@ REACH_TICKS = 64
 # While a pool's plan stands (REACH_TICKS ticks where nothing drafts), the cost model learns from one quiet tick in
 # this many (its first slot's step): the prices learned meanwhile price only the next plan, and learning from every
 # tick cost a pool of 8 quiet slots as much as their planning (docs/methods.md#measured-constants: QUIET_LEARN_EVERY)
-QUIET_LEARN_EVERY = 4
+QUIET_LEARN_EVERY = 8
 MTP_MEMORY = 0.8  # the MTP head's record: each judged guess moves it 20% of the way (other records: 5%)
 SOURCE_NAMES = {"draft": "draft model", "lookup": "lookup", "medusa": "Medusa tree", "mtp": "MTP head"}  # decision()
 MODEL_NAMES = {"draft": "the draft model", "mtp": "the MTP head"}  # the drafting models, as decision() says them
