@@ -89,7 +89,7 @@ class AdaptiveLength:
         """A probe due but not made (not worth it at these prices, or its drafter's catching up would not pay) is
         weighed again after as many plain steps: weighed every step, a pool's plain steps were each priced in full.
         (Not twice as long, as after a probe that did not pay: in a pool a probe becomes worth it when the other
-        slots' records change, and the pool's slots waited too long to draft again.)"""
+        slots' records change, and waiting twice as long, the bench pair's pool drafted less than before.)"""
         self._off_steps = 0
 
     def rests(self) -> bool:

@@ -336,9 +336,10 @@ class AutoPolicy:
     def _quiet(self, n_ctx: int) -> bool:
         """A pool's plain step known without pricing it, as most are where nothing pays (beside many busy slots on a
         CPU): the pool's plan that priced this slot's last step stands (price_at's rule), has no model drafting and
-        no lookup guess worth searching for, no guess of this slot's waits to be judged, and no probe is due.
-        Counted as the full plan would count it; the first drafting model's record times it (the full plan's
-        catch-up rule is weighed when a probe is due). Needs a pool's plan held (`_tick_plan`)."""
+        no lookup guess worth searching for, no guess of this slot's waits to be judged, and no probe is due (or the
+        one due is not worth it at the plan's prices: deferred here, as the full plan would). Counted as the full
+        plan would count it; the first drafting model's record times it (the full plan's catch-up rule is weighed
+        when a probe is made). Needs a pool's plan held (`_tick_plan`)."""
         now = self._tick_plan
         if self._unverified or n_ctx > self._last_ctx:
             return False
