@@ -27,7 +27,8 @@ from .lockstep import Submission
 from .loop import generate_steps
 from .methods import Method, get_method
 from .policy import Policy, TreeSizer
-from .policy.auto import AutoPolicy, SlotRecords
+from .policy.auto import AutoPolicy
+from .policy.shared import SlotRecords
 from .proposers import PROPOSERS, AnswerPool, Proposer, Setup
 from .recurrent import SNAPSHOTS_MAX
 from .pairing import check_pair

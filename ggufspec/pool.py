@@ -24,7 +24,7 @@ from .errors import GGUFSpecError
 from .lockstep import Ended, Lockstep, Task
 from .mtp import MtpDecoder
 from .pairing import check_pair
-from .policy.auto import SlotRecords
+from .policy.shared import SlotRecords
 from .proposers import AnswerPool
 
 T = TypeVar("T")

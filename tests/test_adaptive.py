@@ -16,7 +16,8 @@ from ggufspec.lockstep import NO_BATCH, BatchShape, even_lanes, micro_batches, m
 from ggufspec.policy import PLAIN, Plan, Timing
 from ggufspec.policy.adaptive import (MIN_GAIN, PHRASE_MATCH, PROBE_EVERY, PROBE_GAIN, SHARED_GAIN,
                                       AdaptiveLength)
-from ggufspec.policy.auto import REACH_TICKS, AutoPolicy, SlotRecords
+from ggufspec.policy.auto import AutoPolicy
+from ggufspec.policy.shared import REACH_TICKS, SlotRecords
 from ggufspec.policy.tree_sizer import TreeSizer
 from ggufspec.proposers import NO_DRAFT, Context, Draft, Proposer
 from ggufspec.proposers.draft_model import DraftModelProposer

@@ -5,9 +5,7 @@ it to commit the most tokens a second."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-
-from ..costs import ContextCosts, CostModel, MtpPrices, Prices, SharedBatch
+from ..costs import ContextCosts, CostModel, MtpPrices, SharedBatch
 from ..decoder import SLOT_CHUNK
 from ..history import common_prefix
 from ..proposers import Context, Draft, Proposer
@@ -15,6 +13,7 @@ from ..proposers.lookup import LONG_MATCH
 from ..verifier import Verdict
 from . import PLAIN, Plan, Timing, check_tree, observe_tree
 from .adaptive import COPY_PRIOR, MIN_GAIN, OPTIMISTIC, PHRASE_MATCH, PROBE_EVERY_MAX, SHARED_GAIN, AdaptiveLength
+from .shared import REACH_TICKS, SlotRecords, TickPlan
 from .tree_sizer import TreeSizer
 
 # The most tokens over which the draft model's catching up is expected to pay back (AutoPolicy._catch_up_pays): an
@@ -25,10 +24,6 @@ CATCH_UP_HORIZON = PROBE_EVERY_MAX
 # so that a probe after a long prompt does not cost a short answer more than it could win back.
 # docs/methods.md#measured-constants: PROBE_CATCH_UP_SHARE
 PROBE_CATCH_UP_SHARE = 0.1
-# _lookup_may_pay's answer stands this many ticks while the batch keeps its shape, and so does a pool's plan where no
-# model drafts (price_at) unless a probe drafts: prices move a little a tick, and working them out again costs the
-# tick's first slot several plain steps' Python (docs/methods.md#measured-constants: REACH_TICKS)
-REACH_TICKS = 64
 # While a pool's plan stands (REACH_TICKS ticks where nothing drafts), the cost model learns from one quiet tick in
 # this many (its first slot's step): the prices learned meanwhile price only the next plan, and learning from every
 # tick cost a pool of 8 quiet slots as much as their planning (docs/methods.md#measured-constants: QUIET_LEARN_EVERY)
@@ -36,63 +31,6 @@ QUIET_LEARN_EVERY = 8
 MTP_MEMORY = 0.8  # the MTP head's record: each judged guess moves it 20% of the way (other records: 5%)
 SOURCE_NAMES = {"draft": "draft model", "lookup": "lookup", "medusa": "Medusa tree", "mtp": "MTP head"}  # decision()
 MODEL_NAMES = {"draft": "the draft model", "mtp": "the MTP head"}  # the drafting models, as decision() says them
-
-
-@dataclass
-class TickPlan:
-    """AutoPolicy.price_at's answer for a batch whose slots all added as many tokens, which every slot takes."""
-
-    tick: int  # the batch it was worked out after
-    planned: dict[str, int] | None  # each drafting model's length (None: a prompt's chunk goes on beside)
-    views: tuple[Prices, ...]  # each record's prices, in AutoPolicy._records' order
-    costs: CostModel  # the cost model (by context size) priced from
-    key: tuple  # its key in SlotRecords.plans
-    lanes: tuple[int, ...]  # the batch it was worked out after, as many tokens of each slot
-    reach: bool | None = None  # _lookup_may_pay's answer in this batch, once a slot has worked it out
-    replaced: bool = False  # a newer plan took its key, or a record it priced restarted (SlotRecords.renew)
-
-    def __post_init__(self) -> None:
-        self.idle = self.planned is not None and not any(self.planned.values())  # no model drafts: it may stand
-        self.until = self.tick + (REACH_TICKS if self.idle else 1)  # the first tick it no longer prices (price_at)
-        self.quiet = False  # every slot's step is a plain one (AutoPolicy._quiet): idle, and no lookup guess pays
-        self.worth: dict[int, bool] = {}  # worth_probing's answers, by the record's prices (a view of this plan)
-
-    def worth_probing(self, record: AdaptiveLength) -> bool:
-        """Whether a probe of `record`'s drafter could pay at this plan's prices (AdaptiveLength.worth_probing),
-        worked out by a slot for every slot: its price reads every slot's record (SharedBatch, following)."""
-        worth = self.worth.get(id(record.costs))
-        if worth is None:
-            worth = self.worth[id(record.costs)] = record.worth_probing()
-        return worth
-
-    def reached(self, reach: bool) -> None:
-        """_lookup_may_pay's answer, worked out by a slot for every slot."""
-        self.reach, self.quiet = reach, self.idle and not reach
-
-
-@dataclass
-class SlotRecords:
-    """A pool's slots' drafting-model records by lane, each slot's policy registering its own (AutoPolicy.observe):
-    a slot prices the batch it shares by what each other slot's drafter keeps (SharedBatch); and the pool's cost
-    models by context size, which every slot's steps teach and price from (a tick's views are made once there)."""
-
-    draft: dict[int, AdaptiveLength] = field(default_factory=dict)  # the draft model's
-    mtp: dict[int, AdaptiveLength] = field(default_factory=dict)  # the MTP heads'
-    contexts: dict[int, ContextCosts] = field(default_factory=dict)  # by id of the measured cost model
-    plans: dict[tuple, TickPlan] = field(default_factory=dict)  # AutoPolicy.price_at's, for batches of even lanes
-
-    def renew(self) -> None:
-        """A slot's record restarted (a generation begins): every plan priced with the old one is priced again."""
-        for plan in self.plans.values():
-            plan.replaced = True
-        self.plans.clear()
-
-    def context_costs(self, costs: CostModel) -> ContextCosts:
-        """The pool's cost models by context size, starting from `costs`."""
-        shared = self.contexts.get(id(costs))
-        if shared is None or shared.base is not costs:
-            shared = self.contexts[id(costs)] = ContextCosts(costs)
-        return shared
 
 
 class AutoPolicy:

@@ -1,0 +1,71 @@
+"""What a pool's slots' `auto` policies share: each slot's drafting records by lane, the cost models by context size,
+and the plans one slot works out for every slot of a batch (TickPlan), which the others take."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..costs import ContextCosts, CostModel, Prices
+from .adaptive import AdaptiveLength
+
+# AutoPolicy._lookup_may_pay's answer stands this many ticks while the batch keeps its shape, and so does a pool's
+# plan where no model drafts (price_at) unless a probe drafts: prices move a little a tick, and working them out again
+# costs the tick's first slot several plain steps' Python (docs/methods.md#measured-constants: REACH_TICKS)
+REACH_TICKS = 64
+
+
+@dataclass
+class TickPlan:
+    """AutoPolicy.price_at's answer for a batch whose slots all added as many tokens, which every slot takes."""
+
+    tick: int  # the batch it was worked out after
+    planned: dict[str, int] | None  # each drafting model's length (None: a prompt's chunk goes on beside)
+    views: tuple[Prices, ...]  # each record's prices, in AutoPolicy._records' order
+    costs: CostModel  # the cost model (by context size) priced from
+    key: tuple  # its key in SlotRecords.plans
+    lanes: tuple[int, ...]  # the batch it was worked out after, as many tokens of each slot
+    reach: bool | None = None  # _lookup_may_pay's answer in this batch, once a slot has worked it out
+    replaced: bool = False  # a newer plan took its key, or a record it priced restarted (SlotRecords.renew)
+
+    def __post_init__(self) -> None:
+        self.idle = self.planned is not None and not any(self.planned.values())  # no model drafts: it may stand
+        self.until = self.tick + (REACH_TICKS if self.idle else 1)  # the first tick it no longer prices (price_at)
+        self.quiet = False  # every slot's step is a plain one (AutoPolicy._quiet): idle, and no lookup guess pays
+        self.worth: dict[int, bool] = {}  # worth_probing's answers, by the record's prices (a view of this plan)
+
+    def worth_probing(self, record: AdaptiveLength) -> bool:
+        """Whether a probe of `record`'s drafter could pay at this plan's prices (AdaptiveLength.worth_probing),
+        worked out by a slot for every slot: its price reads every slot's record (SharedBatch, following)."""
+        worth = self.worth.get(id(record.costs))
+        if worth is None:
+            worth = self.worth[id(record.costs)] = record.worth_probing()
+        return worth
+
+    def reached(self, reach: bool) -> None:
+        """_lookup_may_pay's answer, worked out by a slot for every slot."""
+        self.reach, self.quiet = reach, self.idle and not reach
+
+
+@dataclass
+class SlotRecords:
+    """A pool's slots' drafting-model records by lane, each slot's policy registering its own (AutoPolicy.observe):
+    a slot prices the batch it shares by what each other slot's drafter keeps (SharedBatch); and the pool's cost
+    models by context size, which every slot's steps teach and price from (a tick's views are made once there)."""
+
+    draft: dict[int, AdaptiveLength] = field(default_factory=dict)  # the draft model's
+    mtp: dict[int, AdaptiveLength] = field(default_factory=dict)  # the MTP heads'
+    contexts: dict[int, ContextCosts] = field(default_factory=dict)  # by id of the measured cost model
+    plans: dict[tuple, TickPlan] = field(default_factory=dict)  # AutoPolicy.price_at's, for batches of even lanes
+
+    def renew(self) -> None:
+        """A slot's record restarted (a generation begins): every plan priced with the old one is priced again."""
+        for plan in self.plans.values():
+            plan.replaced = True
+        self.plans.clear()
+
+    def context_costs(self, costs: CostModel) -> ContextCosts:
+        """The pool's cost models by context size, starting from `costs`."""
+        shared = self.contexts.get(id(costs))
+        if shared is None or shared.base is not costs:
+            shared = self.contexts[id(costs)] = ContextCosts(costs)
+        return shared
