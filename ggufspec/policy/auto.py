@@ -144,19 +144,22 @@ class AutoPolicy:
         kept = pool.plans.get(key) if even else None
         if kept is not None and kept.costs is costs and kept.tick <= self.tick < kept.until:
             if kept is not self._tick_plan:  # (the records hold its views from this slot's last step otherwise)
-                self._tick_plan = kept if self.sizer is None else None
-                for length, view in zip(self._records, kept.views):
-                    length.costs = view
+                self._take(kept)
             return kept.planned  # (read only)
         planned = self._price_shared(costs)
         self._tick_plan = None
-        if even:  # (Medusa's steps are planned in full every step: its sizer plans a tree)
+        if even:
             if kept is not None:
                 kept.replaced = True
             views = tuple(r.costs for r in self._records)
-            pool.plans[key] = TickPlan(self.tick, planned, views, costs, key, self.lanes)
-            self._tick_plan = pool.plans[key] if self.sizer is None else None
+            self._tick_plan = pool.plans[key] = TickPlan(self.tick, planned, views, costs, key, self.lanes)
         return planned
+
+    def _take(self, plan: TickPlan) -> None:
+        """Price the next steps as the pool's `plan` does: its views for every record."""
+        self._tick_plan = plan
+        for length, view in zip(self._records, plan.views):
+            length.costs = view
 
     def _price_shared(self, costs: CostModel) -> dict[str, int] | None:
         """price_at's, in a batch shared with other slots."""
@@ -224,7 +227,8 @@ class AutoPolicy:
         return self.model if name == "draft" else self.mtp
 
     def plan(self, context: Context, room: int, deferred: int) -> Plan:
-        self._quiet_step = self._tick_plan is not None and self._quiet(len(context))
+        # (Medusa's steps are planned in full: its sizer plans a tree every step)
+        self._quiet_step = self._tick_plan is not None and self.sizer is None and self._quiet(len(context))
         if self._quiet_step:
             return PLAIN
         nodes = None
@@ -285,9 +289,7 @@ class AutoPolicy:
             now = self.slot_records.plans.get(now.key)
             if now is None:
                 return False
-            self._tick_plan = now
-            for length, view in zip(self._records, now.views):
-                length.costs = view
+            self._take(now)
         if not (now.quiet and now.tick <= self.tick < now.until and self.lanes == now.lanes):
             return False
         records = self._model_records

@@ -30,7 +30,7 @@ class TickPlan:
     def __post_init__(self) -> None:
         self.idle = self.planned is not None and not any(self.planned.values())  # no model drafts: it may stand
         self.until = self.tick + (REACH_TICKS if self.idle else 1)  # the first tick it no longer prices (price_at)
-        self.quiet = False  # every slot's step is a plain one (AutoPolicy._quiet): idle, and no lookup guess pays
+        self.quiet = False  # idle, and no lookup guess pays (set with reach: every quiet step reads it)
         self.worth: dict[int, bool] = {}  # worth_probing's answers, by the record's prices (a view of this plan)
 
     def worth_probing(self, record: AdaptiveLength) -> bool:
