@@ -18,10 +18,6 @@ from .llama_context import Context, opened
 from .lockstep import NO_BATCH, BatchShape, Lockstep, Steps, Submission
 from .shared_context import SharedContext
 
-# Batches of more tokens than this (prefills) run with llama_log.abort_check, so that Ctrl-C stops them between
-# graph nodes rather than after the whole batch; smaller ones (verification chains and trees, Medusa's of up to 64
-# nodes, single tokens) skip the check's call into Python at every node.
-ABORTABLE_BATCH = 64
 
 
 class Access(Protocol):
@@ -106,7 +102,7 @@ class OwnAccess:
     def _run(self, n_tokens: int, hidden: bool) -> int:
         t0 = time.perf_counter()
         try:
-            return self.context.run(n_tokens, hidden, abortable=n_tokens > ABORTABLE_BATCH)
+            return self.context.run(n_tokens, hidden, may_abort=True)
         finally:
             self.decode_seconds += time.perf_counter() - t0
             self.n_decodes += 1

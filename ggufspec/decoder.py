@@ -329,16 +329,17 @@ class LlamaCppDecoder(TreeDecoding):
         per_slot = options.n_ctx // n
         if per_slot < 2:
             raise ValueError(f"a context of {options.n_ctx} tokens cannot hold {n} slots")
-        # every slot's n_ctx // n tokens, plus a chunk each: a verification batch's or a tree's transient cells
-        whole = replace(options, n_ctx=per_slot * n + n * chunk, n_batch=n * chunk, n_seq_max=n * span,
-                        n_ubatch=None if options.n_ubatch is None else min(options.n_ubatch, n * chunk),
-                        kv_unified=True if n == 1 else False)
-        owner = cls(path, whole)
-        span = owner.options.n_seq_max // n  # 1 where recurrent memory turned the trees off
+        if n == 1:  # a single stream: the context it would have of its own (its prefill in batches of n_batch)
+            owner = cls(path, options)
+            span, slot_options = owner.options.n_seq_max, replace(owner.options, n_ctx=owner.n_ctx)
+        else:  # every slot's n_ctx // n tokens, plus a chunk each: a verification batch's transient cells
+            owner = cls(path, replace(options, n_ctx=per_slot * n + n * chunk, n_batch=n * chunk, n_seq_max=n,
+                                      n_ubatch=None if options.n_ubatch is None else min(options.n_ubatch, n * chunk),
+                                      kv_unified=False))
+            slot_options = replace(owner.options, n_ctx=per_slot, n_batch=chunk, n_seq_max=1, n_ubatch=None)
         context = owner._context()
         context.lock = lockstep.lock  # every use of the shared context holds it
-        runner = SharedContext(context, owner, leads)
-        slot_options = replace(owner.options, n_ctx=per_slot, n_batch=chunk, n_seq_max=span, n_ubatch=None)
+        runner = SharedContext(context, owner, leads, alone=n == 1)
         return [cls._slot(owner, SlotAccess(runner, lockstep, i * span, span), slot_options) for i in range(n)]
 
     @classmethod

@@ -13,7 +13,8 @@ from gguf import GGMLQuantizationType
 from . import cpu_backend, rpc
 from .costs import cache_report
 from .decoder import DecoderOptions, LlamaCppDecoder, gpu_offload
-from .engine import GenerationSettings, SpeculativeEngine, with_snapshots
+from .generation import GenerationSettings
+from .opening import draft_options, with_snapshots
 from .gguf_check import GGUFHeader
 from .isolated import open_target
 from .machine_cache import costs_path, cpu_info
@@ -94,7 +95,7 @@ def report(target: str | None, draft: str | None, options: DecoderOptions) -> st
             on_rpc = role == "target" or options.rpc_draft
             # as generation loads them: the target with snapshots for --draft-max's chains, the draft without
             loaded = (with_snapshots(options, GenerationSettings()) if role == "target"
-                      else SpeculativeEngine.draft_options(options))
+                      else draft_options(options))
             lines += model_lines(role, path, loaded if on_rpc else replace(loaded, rpc=()))
     if target is None:
         lines.append("(give -m MODEL.gguf [-d DRAFT.gguf] to see where their weights go)")

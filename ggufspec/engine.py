@@ -4,33 +4,28 @@ from __future__ import annotations
 
 import os
 import threading
-from pathlib import Path
 from types import MappingProxyType
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import closing
-from dataclasses import replace
 
 import numpy as np
 
-from .chat import Template, chat_tokens, prestart
+from .chat import Template, chat_tokens
 from .costs import CostModel, cached_measure
+from . import llama_log
 from .decoder import DecoderOptions, LlamaCppDecoder
-from .errors import ContextLengthError, GGUFSpecError, ModelFileError
-from .gguf_check import read_header
-from .isolated import open_target
-from .machine_cache import notice
-from .memory import check_memory, snapshots_that_fit
+from .errors import ContextLengthError, GGUFSpecError
 from .medusa.candidates import special_ids
-from .medusa.heads import ARCH as MEDUSA_ARCH, Heads, heads_memory, medusa_decoder_options
-from .mtp import MtpDecoder, mtp_layers, unavailable as mtp_unavailable
-from .lockstep import Submission
+from .medusa.heads import Heads
+from .mtp import MtpDecoder
+from .opening import Opened, open_slots
+from .lockstep import Ended, Lockstep, Submission, Task
 from .loop import generate_steps
 from .methods import Method, get_method
 from .policy import Policy, TreeSizer
 from .policy.auto import AutoPolicy
 from .policy.shared import SlotRecords
 from .proposers import PROPOSERS, AnswerPool, Proposer, Setup
-from .recurrent import SNAPSHOTS_MAX
 from .pairing import check_pair
 from .stats import Stats
 from .textstream import TextStream
@@ -40,7 +35,6 @@ from .generation import GenerationResponse, GenerationResult, GenerationSettings
 from .meter import Meter, committed
 
 MEDUSA_DENSE_SIZES = 3  # Medusa's cost model: batches of 1..4 tokens measured, then 16, 32, 64 (interpolated between)
-DRAFT_TREE_SEQUENCES = 8  # a target paired with a draft holds `auto`'s greedy draft trees of up to 7 leaves
 
 
 class SpeculativeEngine:
@@ -50,10 +44,13 @@ class SpeculativeEngine:
     def __init__(
         self, target: LlamaCppDecoder, draft: LlamaCppDecoder | None = None,
         settings: GenerationSettings | None = None, costs: CostModel | None = None, mtp: MtpDecoder | None = None,
-        answers: AnswerPool | None = None, slot_records: SlotRecords | None = None,
+        answers: AnswerPool | None = None, slot_records: SlotRecords | None = None, lockstep: Lockstep | None = None,
     ) -> None:
         """`answers`: what earlier generations answered, for `auto`'s lookup (EnginePool: one for every slot; a new one
-        when None); `slot_records`: the pool's slots' drafter records, which `auto` prices a shared batch with."""
+        when None); `slot_records`: the pool's slots' drafter records, which `auto` prices a shared batch with;
+        `lockstep`: the scheduler of the shared contexts the decoders are slots of (LlamaCppDecoder.slots), whose
+        decode thread runs each generation (a task: `spawn`); None: decoders of contexts of their own, whose
+        generations run on a decode thread of the engine's own."""
         self.target = target
         self.draft = draft
         self.mtp = mtp
@@ -69,6 +66,9 @@ class SpeculativeEngine:
         self._sizers: dict[tuple, TreeSizer] = {}  # Medusa's, per tree
         self.answers: AnswerPool | None = answers if answers is not None else AnswerPool()
         self.slot_records = slot_records
+        self.lockstep = lockstep or Lockstep()
+        self._own_lockstep = lockstep is None  # stopped by close (a pool's stops with the pool)
+        self._opened: Opened | None = None  # what load opened: closed with the engine
         self._lock = threading.Lock()
         self._closed = False
 
@@ -80,91 +80,19 @@ class SpeculativeEngine:
         medusa_vocab: int | str | os.PathLike | None = None,  # Medusa candidates: the N lowest ids or a file of ids
         costs: CostModel | None = None,
     ) -> SpeculativeEngine:
-        """Open the GGUF files (checked first, and their RAM needs together) and pair them; Medusa heads if given."""
-        options = with_snapshots(options or DecoderOptions(), settings or GenerationSettings())
-        options = cls.check_files(target_path, draft_path, options, medusa_path, medusa_vocab)
-        options = with_mtp(target_path, options, settings or GenerationSettings())
-        target, draft = cls.open_models(target_path, draft_path, options)
-        head = None
+        """Open the GGUF files (checked first, and their RAM needs together) and pair them; Medusa heads if given.
+        The engine is a pool's slot alone (opening.open_slots): its generations run on its scheduler's decode thread,
+        as `serve`'s do."""
+        opened = open_slots(target_path, draft_path, options, settings or GenerationSettings(), 1, medusa_path,
+                            medusa_vocab)
         try:
-            head = open_mtp(target)
-            engine = cls(target, draft, settings, costs, head)
+            engine = cls(opened.targets[0], opened.drafts[0], settings, costs, opened.mtps[0], lockstep=opened.lockstep)
             engine.load_heads(medusa_path, medusa_vocab)
-            return engine
         except BaseException:
-            if head is not None:
-                head.close()
-            target.close()
-            if draft is not None:
-                draft.close()
+            opened.close()
             raise
-
-    @staticmethod
-    def check_files(target_path: str | os.PathLike, draft_path: str | os.PathLike | None,
-                    options: DecoderOptions | None, medusa_path: str | os.PathLike | None = None,
-                    medusa_vocab: int | str | os.PathLike | None = None, sequences: int = 1) -> DecoderOptions:
-        """What load checks before any model loads (the files, their RAM needs together with a cache of
-        options.n_ctx tokens, and `sequences` recurrent states of a hybrid or recurrent model's); the options to load
-        them with (Medusa's need hidden states and tree sequences)."""
-        options = options or DecoderOptions()
-        if medusa_path is not None:
-            options = medusa_decoder_options(options)
-        paths = [Path(p).expanduser() for p in (target_path, draft_path) if p is not None]
-        headers = [read_header(p) for p in paths]
-        for path, header in zip(paths, headers):
-            if header.metadata.get("general.architecture") == MEDUSA_ARCH:
-                raise ModelFileError(f"{path} holds Medusa heads (ggufspec's own format), not a model: give it with "
-                                     "--medusa (medusa_path=), next to the target it was trained for.")
-        if headers[0].metadata.get("tokenizer.chat_template"):
-            prestart()  # the template's renderer process starts while the models load
-        local = list(zip(paths, headers))
-        if options.remote:  # its endpoints are checked as it opens (isolated.open_target), before anything loads
-            local = local[1:] if not options.rpc_draft else []  # the weights on RPC servers are theirs to hold
-        if options.memory_check and not options.offloads and local:
-            extra = heads_memory(medusa_path, headers[0], medusa_vocab) if medusa_path is not None else []
-            kv = options.resolved()  # this machine's default V cache type, chosen before the check sizes the cache
-            fit = snapshots_that_fit(local, options.n_ctx, kv.cache_type, kv.cache_type_v, extra, options.n_rs_seq,
-                                     sequences)
-            if fit < options.n_rs_seq:  # longer chains then go back from a checkpoint
-                notice(f"keeping {fit} recurrent-state snapshots instead of {options.n_rs_seq}: more do not fit the RAM")
-                options = replace(options, n_rs_seq=fit)
-            check_memory(local, options.n_ctx, kv.cache_type, kv.cache_type_v, extra, options.n_rs_seq, sequences)
-        return options
-
-    @classmethod
-    def open_models(cls, target_path: str | os.PathLike, draft_path: str | os.PathLike | None,
-                    options: DecoderOptions) -> tuple[LlamaCppDecoder, LlamaCppDecoder | None]:
-        """The target (with target_options) and the draft. With options.rpc, the target's layers go to those RPC
-        servers, from a child process (isolated.py: ggml-rpc aborts the process whose server fails), and the draft
-        stays on this machine unless options.rpc_draft."""
-        target_options = cls.target_options(options, draft_path)
-        if options.remote:
-            on_rpc = options.rpc_draft and draft_path is not None
-            target, draft = open_target(target_path, target_options, draft_path, options if on_rpc else None)
-            options = replace(options, rpc=(), tensor_split=())  # a draft not opened there: on this machine
-        else:
-            target, draft = LlamaCppDecoder(target_path, target_options), None
-        if draft_path is None or draft is not None:
-            return target, draft  # type: ignore[return-value]
-        try:
-            return target, LlamaCppDecoder(draft_path, cls.draft_options(options))
-        except BaseException:
-            target.close()
-            raise
-
-    @staticmethod
-    def draft_options(options: DecoderOptions) -> DecoderOptions:
-        """A draft model's options: no snapshots, which undo part of a verification batch, while a draft model's
-        rollbacks undo its single-token guesses (a checkpoint does, on recurrent memory: DraftModelProposer); nor its
-        MTP layers."""
-        return replace(options, n_rs_seq=0, mtp=False)
-
-    @staticmethod
-    def target_options(options: DecoderOptions, draft_path: str | os.PathLike | None) -> DecoderOptions:
-        """With a draft model, room for `auto`'s draft trees (a unified cache: same size, same speed here)."""
-        if draft_path is None:
-            return options
-        return replace(options, n_seq_max=max(options.n_seq_max, DRAFT_TREE_SEQUENCES))
+        engine._opened = opened
+        return engine
 
     def load_heads(self, medusa_path: str | os.PathLike | None, medusa_vocab: int | str | os.PathLike | None) -> None:
         """Medusa heads for this engine's target, when a path is given."""
@@ -223,14 +151,37 @@ class SpeculativeEngine:
         assert self.last_result is not None
         return self.last_result
 
-    def stream(self, prompt: Prompt, settings: GenerationSettings | None = None) -> Iterator[GenerationResponse]:
+    def stream(self, prompt: Prompt, settings: GenerationSettings | None = None, *,
+               ahead: bool = False) -> Iterator[GenerationResponse]:
         """Yield a response per committed token, then one with the finish reason and the whole result (also left
-        in `last_result`, even when the caller stops early)."""
-        for r in self.steps(prompt, settings):
-            if isinstance(r, Submission):  # a pool's slot used on its own: this thread waits for the tick
-                r.lockstep.submit(r.runner, r)
-            else:
+        in `last_result`, even when the caller stops early). The generation runs on the scheduler's decode thread
+        (`spawn`), each step once the next response is asked for; `ahead`: without waiting for this reader (a
+        server's slot, which must not hold the others up). Ctrl-C on the main thread while it waits stops the
+        generation, a long prefill's batch midway, and is raised here."""
+        task = self.spawn(prompt, settings, lazy=not ahead)
+        try:
+            while True:
+                with llama_log.interruptible():  # the decode thread's abort check reads what it holds
+                    r = task.get(llama_log.interrupt_held)
+                if isinstance(r, Ended):
+                    if r.error is not None:
+                        raise r.error
+                    return
                 yield r
+        finally:
+            task.close()
+
+    def spawn(self, prompt: Prompt, settings: GenerationSettings | None = None,
+              put: Callable[[object], None] | None = None, lazy: bool = False) -> Task:
+        """The generation of `prompt`, started as a task of the scheduler's decode thread (Lockstep.spawn: its
+        responses, then an Ended, go to `put`, else to the Task; `lazy`: each waits to be asked for). What it
+        measures first (prepare) is measured now, by the calling thread."""
+        if self._closed:
+            raise GGUFSpecError("this engine is closed.")
+        if self.lockstep.on_thread():  # it would wait for itself
+            raise GGUFSpecError("a generation cannot start another on the decode thread it runs on.")
+        self.prepare(settings or self.settings)
+        return self.lockstep.spawn(self.steps(prompt, settings), put, lazy)
 
     def steps(self, prompt: Prompt, settings: GenerationSettings | None = None,
               ) -> Iterator[GenerationResponse | Submission]:
@@ -402,6 +353,11 @@ class SpeculativeEngine:
     def close(self) -> None:
         """Free the llama.cpp contexts (the MTP head's before the target's weights it runs)."""
         self._closed = True
+        if self._opened is not None:  # the shared contexts too, and the scheduler
+            self._opened.close()
+            return
+        if self._own_lockstep:  # first: no generation decodes any more
+            self.lockstep.close()
         if self.mtp is not None:
             self.mtp.close()
         self.target.close()
@@ -414,47 +370,3 @@ class SpeculativeEngine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def with_snapshots(options: DecoderOptions, settings: GenerationSettings, parallel: int = 1) -> DecoderOptions:
-    """`options` with recurrent-state snapshots for the target's chains of up to settings.draft_max drafts (at most
-    recurrent.SNAPSHOTS_MAX: longer ones, lookup's copies, are undone from checkpoints); attention models ignore it.
-    None where no chain is expected to need them, since every batch of every slot writes them (their cost to a pool's
-    plain steps: docs/hybrid.md): plain decoding, and `auto` in a pool of several slots (the few chains it drafts
-    there are undone from checkpoints, whose cost it prices)."""
-    method = settings.method or "auto"
-    if method == "autoregressive" or (parallel > 1 and method == "auto"):
-        return options
-    return replace(options, n_rs_seq=max(options.n_rs_seq, min(settings.draft_max, SNAPSHOTS_MAX)))
-
-
-def with_mtp(target_path: str | os.PathLike, options: DecoderOptions, settings: GenerationSettings) -> DecoderOptions:
-    """`options` with the target's MTP head loaded (DecoderOptions.mtp) where the model has one, this llama-cpp-python
-    runs it and the method may draft from it (auto, mtp); else without, and one notice line where the model has MTP
-    layers or --method mtp asked for them: what is missing, and what runs instead (`mtp` runs as `auto`; no method
-    is then the default of a model without a head: autoregressive, or auto with a draft model or Medusa heads)."""
-    if settings.method not in (None, "auto", "mtp"):
-        return replace(options, mtp=False)
-    path = Path(target_path).expanduser()
-    header = read_header(path)
-    if options.remote and mtp_layers(header):
-        why: str | None = f"{path.name} has MTP layers, which ggufspec does not run on RPC servers yet"
-    else:
-        why = mtp_unavailable(header, path.name)
-    if why is None:
-        return replace(options, mtp=True)
-    if mtp_layers(header) or settings.method == "mtp":
-        then = {"mtp": "--method mtp runs as auto, without", "auto": "auto drafts without"}.get(settings.method or "",
-                                                                                                "running without")
-        notice(f"{why}: {then} an MTP head")
-    return replace(options, mtp=False)
-
-
-def open_mtp(target: LlamaCppDecoder) -> MtpDecoder | None:
-    """The MTP head of a target loaded with DecoderOptions.mtp (None without; a notice where llama.cpp refuses it)."""
-    if not isinstance(target, LlamaCppDecoder) or target.hidden_rows is None:  # (an RPC target: isolated.py)
-        return None
-    try:
-        return MtpDecoder.open(target)
-    except GGUFSpecError as e:
-        notice(f"{e}: auto drafts without an MTP head")
-        return None

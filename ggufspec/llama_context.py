@@ -29,6 +29,10 @@ from .recurrent import snapshots_for
 if TYPE_CHECKING:
     from .decoder import DecoderOptions
 
+# Batches of more tokens than this (prefills) run with llama_log.abort_check, so that Ctrl-C stops them between
+# graph nodes rather than after the whole batch; smaller ones (verification chains and trees, Medusa's of up to 64
+# nodes, single tokens) skip the check's call into Python at every node.
+ABORTABLE_BATCH = 64
 
 def default_threads() -> int:
     """GGUFSPEC_THREADS when set, else every core this process may run on."""
@@ -77,7 +81,7 @@ class Context:
         # held around every use: a shared context's is its Lockstep's lock (LlamaCppDecoder.slots sets it)
         self.lock: AbstractContextManager = nullcontext()
         self._hidden_on = opts.embeddings
-        self._abort_on = False  # llama_log.abort_check installed: see access.ABORTABLE_BATCH
+        self._abort_on = False  # llama_log.abort_check installed: see ABORTABLE_BATCH
         self._views: dict[tuple[int, int, int], np.ndarray] = {}  # see buffer_rows
         try:
             self._create(model, opts, path)
@@ -120,12 +124,13 @@ class Context:
 
     # --- decoding -------------------------------------------------------------------------
 
-    def run(self, n_tokens: int, hidden: bool, abortable: bool) -> int:
-        """llama_decode of the filled batch of n_tokens; its return code (2: Ctrl-C aborted it, with `abortable`).
+    def run(self, n_tokens: int, hidden: bool, may_abort: bool) -> int:
+        """llama_decode of the filled batch of n_tokens; its return code (2: Ctrl-C aborted it, with `may_abort`).
         Until the caller records the tokens, the cache may hold cells its history does not. hidden=False: no hidden
         states (llama.cpp outputs logits and states of every token of a batch while embeddings are on: a prefill
-        would compute and copy the whole vocabulary's logits for every prompt token). `abortable`: with
-        llama_log.abort_check (see access.ABORTABLE_BATCH)."""
+        would compute and copy the whole vocabulary's logits for every prompt token). `may_abort`: a batch of more
+        than ABORTABLE_BATCH tokens runs with llama_log.abort_check (not one that other slots' steps share)."""
+        abortable = may_abort and n_tokens > ABORTABLE_BATCH
         if self._hidden_on != (hidden and self.embeddings):
             self._hidden_on = not self._hidden_on
             llama_cpp.llama_set_embeddings(self.ctx, self._hidden_on)

@@ -78,9 +78,10 @@ def _hold(signum: int, frame: object) -> None:
 
 @contextmanager
 def interruptible() -> Iterator[None]:
-    """Around a llama.cpp call: Ctrl-C sets the flag the callbacks read instead of raising inside one of them, and
-    is raised as KeyboardInterrupt when the block ends. Only on the main thread with Python's own handler in place
-    (a server installs its own)."""
+    """Around a llama.cpp call, or a wait for the decode thread's: Ctrl-C sets the flag the callbacks read (on any
+    thread: the decode thread's abort check too) instead of raising inside one of them, and is raised as
+    KeyboardInterrupt when the block ends. Only on the main thread with Python's own handler in place (a server
+    installs its own); elsewhere, and nested, the block neither holds nor raises it."""
     global _held_interrupt
     swap = (threading.current_thread() is threading.main_thread()
             and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
@@ -91,9 +92,14 @@ def interruptible() -> Iterator[None]:
     finally:
         if swap:
             signal.signal(signal.SIGINT, signal.default_int_handler)
-    if _held_interrupt:
+    if swap and _held_interrupt:
         _held_interrupt = False
         raise KeyboardInterrupt
+
+
+def interrupt_held() -> bool:
+    """Whether Ctrl-C was pressed inside interruptible() and is held until its block ends."""
+    return _held_interrupt
 
 
 def install(verbose: bool = False) -> None:

@@ -1,9 +1,9 @@
 """`Lockstep`: generations that share llama.cpp contexts decode together, one batch per context per tick.
 
 Each sequence (a slot: one request's generation) runs the ordinary engine loop on decoders that are views of shared
-contexts (LlamaCppDecoder.slots). A view's decode is a `Submission`. A pool's generations are tasks (`spawn`) of the
-lockstep's one decode thread, which scheduler-like runs each until it yields the submission it waits on (the decode
-coroutines: `Steps`), then every context's pending submissions as ONE llama_decode per context, then each task on:
+contexts (LlamaCppDecoder.slots; a single stream's engine is one such slot). A view's decode is a `Submission`.
+Generations are tasks (`spawn`) of the lockstep's one decode thread, which scheduler-like runs each until it yields
+the submission it waits on (the decode coroutines: `Steps`), then every context's pending submissions as ONE llama_decode per context, then each task on:
 the target verifies every slot's proposal in one batch, the draft model decodes every slot's draft position in one
 batch, a joining prompt's chunk rides along with the others' steps, and the loop, the verifier and the proposers do
 not know that they share (continuous batching, as llama-server's `update_slots`, with no second code path). A
@@ -162,14 +162,21 @@ class Ended:
 
 class Task:
     """A generation the decode thread runs (Lockstep.spawn): iterate over it for what its coroutine yields besides
-    submissions, in order (its exception raised at the end); close() stops it at its next item."""
+    submissions, in order (its exception raised at the end); close() stops it at its next item.
 
-    def __init__(self, steps: Iterator[Any], lockstep: Lockstep, put: Callable[[Any], None] | None = None) -> None:
+    An eager task runs on without waiting for its reader (a pool's slot never holds the others up); a `lazy` one
+    makes its next output only once its reader asks for it (`get`), as a Python generator would: a reader that stops
+    after k outputs has what the generation made, and no more ran. Paused so, it takes no part in the ticks."""
+
+    def __init__(self, steps: Iterator[Any], lockstep: Lockstep, put: Callable[[Any], None] | None = None,
+                 lazy: bool = False) -> None:
         """`put`: where its outputs go (its own queue, which iterating reads, when None)."""
-        self.steps, self.lockstep = steps, lockstep
+        self.steps, self.lockstep, self.lazy = steps, lockstep, lazy
         self.out: queue.SimpleQueue = queue.SimpleQueue()  # unbounded: the decode thread never waits for a reader
         self.put = put or self.out.put
         self.waiting: Submission | None = None  # the submission its coroutine waits on
+        self.paused = lazy  # lazy: before its first output is asked for, and after each until the next is
+        self.wanted = False  # lazy: its reader asked for the next output
         self.closing = False
         self.ended = threading.Event()
 
@@ -181,6 +188,20 @@ class Task:
                     raise item.error
                 return
             yield item
+
+    def get(self, stop: Callable[[], bool], poll: float = 0.1) -> Any:
+        """Its next output (an Ended last); once `stop()` turns true while waiting (checked every `poll` seconds: Ctrl-C
+        held for the main thread, llama_log.interrupt_held), it is closed and an Ended comes back."""
+        if self.lazy:
+            self.wanted = True
+            self.lockstep._wake()
+        while True:
+            try:
+                return self.out.get(timeout=poll)
+            except queue.Empty:
+                if stop():
+                    self.close()
+                    return Ended()
 
     def close(self) -> None:
         """Stop the generation at its next item (its coroutine closed on the decode thread: its cleanup runs there,
@@ -232,8 +253,23 @@ class Lockstep:
         self._runner: threading.Thread | None = None
         self._tasks: list[Task] = []
         self._current: Task | None = None  # the task the decode thread is running on
+        self._closed = False  # the decode thread ends once its tasks have
         self.n_ticks = 0  # ticks run
         self.decode_seconds = 0.0  # every tick's batches, all contexts: the rest of a busy pool's time is the slots'
+
+    def on_thread(self) -> bool:
+        """Whether the calling thread is the decode thread (a task's)."""
+        return threading.current_thread() is self._runner
+
+    def close(self) -> None:
+        """Stop: every task closes at its next output (a paused one at once), then the decode thread ends; returns
+        once it has, so that its contexts may be freed. Nothing may be spawned or submitted after."""
+        self._closed = True
+        for task in [*self._tasks, *self._inbox]:
+            task.closing = True
+        self._wake()
+        if self._runner is not None and not self.on_thread():
+            self._runner.join()
 
     def others(self) -> int:
         """Generations taking part now (tasks and member threads), the calling one aside; or, where more, the other
@@ -262,21 +298,25 @@ class Lockstep:
         """Queue `sub` for `runner`'s next batch and wait until it has run; `sub` comes back with its results."""
         if threading.current_thread() is self._runner:  # it would wait for itself
             raise RuntimeError("a task's decode is yielded (a lockstep.Steps coroutine), not submitted")
+        if self._closed:  # no decode thread would run it
+            raise RuntimeError("this lockstep is closed")
         with self.member():
             with self.lock:
                 self._queue(runner, sub)
                 self._start()
-                if self._tick.waiting - len(self._tasks) >= self._members:
+                if self._complete():
                     self._wake()
                 while not sub.done:
                     self._ticked.wait()
         return sub
 
-    def spawn(self, steps: Iterator[Any], put: Callable[[Any], None] | None = None) -> Task:
+    def spawn(self, steps: Iterator[Any], put: Callable[[Any], None] | None = None, lazy: bool = False) -> Task:
         """Run `steps` (a generation: it yields the submissions it waits on, and its outputs) on the decode thread,
         every tick beside the other tasks and members; its outputs, then an Ended, go to `put` (else read them from
-        the Task)."""
-        task = Task(steps, self, put)
+        the Task). `lazy`: each output waits until its reader asks for it (Task.get)."""
+        if self._closed:
+            raise RuntimeError("this lockstep is closed")
+        task = Task(steps, self, put, lazy)
         with self._woken:
             self._inbox.append(task)
         self._wake()
@@ -299,8 +339,16 @@ class Lockstep:
                 if not task.waiting.done:
                     continue
                 task.waiting = None
+            elif task.paused:
+                if not (task.wanted or task.closing):
+                    continue
+                task.paused = task.wanted = False
             self._current = task
             try:
+                if task.closing and task.waiting is None:  # (a lazy task, paused at an output)
+                    task.steps.close()
+                    self._end(task, None)
+                    continue
                 for item in task.steps:
                     if isinstance(item, Submission):
                         task.waiting = item
@@ -311,6 +359,9 @@ class Lockstep:
                         self._end(task, None)
                         break
                     task.put(item)
+                    if task.lazy:
+                        task.paused = True
+                        break
                 else:
                     self._end(task, None)
             except BaseException as e:  # the reader raises it
@@ -342,14 +393,20 @@ class Lockstep:
                 self._inbox.clear()
             with self.lock:
                 self._advance()  # every task left waits on one submission of this tick
-                tick = self._tick
-                ready = tick.waiting > 0 and tick.waiting - len(self._tasks) >= self._members
+                ready = self._tick.waiting > 0 and self._complete()
                 if ready:
-                    self._run_tick(tick)
+                    self._run_tick(self._tick)
+            if self._closed and not self._tasks:  # (close: every task closes at its next output)
+                return
             if not ready:
                 with self._woken:
                     while not self._wake_flag:
                         self._woken.wait()
+
+    def _complete(self) -> bool:
+        """Whether every member waits on the next tick (under `lock`): its submissions but the tasks' are theirs
+        (after _advance, every task but a paused one waits on one)."""
+        return self._tick.waiting - sum(not t.paused for t in self._tasks) >= self._members
 
     def _run_tick(self, tick: _Tick) -> None:
         """Run the tick's batches, one per context (drafts first), and mark their submissions done."""

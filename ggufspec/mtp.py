@@ -310,7 +310,8 @@ class MtpDecoder(DecodeSteps, LockstepSlot):
         KV stream each where several (as the target's)."""
         n, first = len(targets), targets[0]
         chunk = first.options.n_batch
-        ctx = _mtp_context(first, first.n_ctx * n + n * chunk, n * chunk, n, n == 1)
+        extra = n * chunk if n > 1 else 0  # as the target's slots (LlamaCppDecoder.slots)
+        ctx = _mtp_context(first, first.n_ctx * n + extra, n * chunk, n, n == 1)
         runner = _Shared(ctx, first.hidden_rows.width, first.n_vocab)
         return [cls(t, ctx, None, i, lockstep, runner) for i, t in enumerate(targets)]
 

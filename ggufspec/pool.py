@@ -12,18 +12,17 @@ import os
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from .costs import LONG_BATCHES, CostModel, cached_measure, measure_together
 from .decoder import DecoderOptions, LlamaCppDecoder
 from .history import common_prefix
-from .engine import GenerationResponse, GenerationSettings, Prompt, SpeculativeEngine, with_mtp, with_snapshots
+from .engine import GenerationResponse, GenerationSettings, Prompt, SpeculativeEngine
 from .errors import GGUFSpecError
-from .lockstep import Ended, Lockstep, Task
-from .mtp import MtpDecoder
-from .pairing import check_pair
+from .lockstep import Ended, Lockstep
+from .opening import Opened, open_slots
 from .policy.shared import SlotRecords
 from .proposers import AnswerPool
 
@@ -42,27 +41,6 @@ class Slot:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     drafts_kept: int = 0
-
-
-def _off_this_thread(work: Callable[[], T]) -> T:
-    """work() on a thread of its own. With llama.cpp's OpenMP build, once a thread has decoded, decodes from other
-    threads (the pool's decode thread) ran at half speed (lockstep.Lockstep): a probe that decodes (choosing the V
-    cache type on first use) must not run on the caller's thread, which may be the main one."""
-    out: list = []
-
-    def run() -> None:
-        try:
-            out.append((True, work()))
-        except BaseException as e:  # raised again on the caller's thread
-            out.append((False, e))
-
-    t = threading.Thread(target=run)
-    t.start()
-    t.join()
-    ok, value = out[0]
-    if not ok:
-        raise value
-    return value
 
 
 def _measure(lockstep: Lockstep, targets: list[LlamaCppDecoder], drafts: list, mtps: list, draft_max: int) -> CostModel:
@@ -87,8 +65,9 @@ def _measure(lockstep: Lockstep, targets: list[LlamaCppDecoder], drafts: list, m
 class EnginePool:
     """`parallel` slots over one target context (and one draft context): up to `parallel` generations at once."""
 
-    def __init__(self, slots: list[Slot], lockstep: Lockstep) -> None:
-        self.slots, self.lockstep = slots, lockstep
+    def __init__(self, slots: list[Slot], lockstep: Lockstep, opened: Opened | None = None) -> None:
+        """`slots`' engines generate on `lockstep`; `opened`: their shared contexts, freed by close."""
+        self.slots, self.lockstep, self._opened = slots, lockstep, opened
         self._free = threading.Condition()
         self._closed = False
 
@@ -109,36 +88,23 @@ class EnginePool:
             raise GGUFSpecError("a target on RPC servers (--rpc) serves one request at a time for now: use "
                                 "--parallel 1.")
         settings = settings or GenerationSettings()
-        options = _off_this_thread((options or DecoderOptions()).resolved)  # a first use probes: see _off_this_thread
-        options = with_snapshots(options, settings, parallel)
-        options = SpeculativeEngine.check_files(target_path, draft_path, options, medusa_path, medusa_vocab, parallel)
-        options = with_mtp(target_path, options, settings)
-        if parallel > 1:  # a slot is one KV sequence (LlamaCppDecoder.slots): the draft model proposes chains
-            options = replace(options, n_seq_max=1)
-        lockstep = Lockstep()
-        if options.remote:  # the target in a child process (isolated.py): one slot
-            target, draft = SpeculativeEngine.open_models(target_path, draft_path, options)
-            targets, drafts = [target], [draft]
-        else:
-            target_options = SpeculativeEngine.target_options(options, draft_path) if parallel == 1 else options
-            targets = LlamaCppDecoder.slots(target_path, target_options, parallel, lockstep)
-            drafts = (LlamaCppDecoder.slots(draft_path, SpeculativeEngine.draft_options(options), parallel, lockstep,
-                                            leads=True) if draft_path else [None] * parallel)
-        # the target's MTP head: every slot's in one shared context, whose batches lead as the draft model's
-        mtps = MtpDecoder.slots(targets, lockstep) if options.mtp and not options.remote else [None] * parallel
-        if drafts[0] is not None:  # a pair that cannot draft is refused before anything is measured
-            check_pair(targets[0], drafts[0])
-        if costs is None:  # measured by one slot alone, now: later, the other slots' batches would ride along
-            costs = _measure(lockstep, targets, drafts, mtps, settings.draft_max)
-        answers = AnswerPool()  # one for every slot: an answer in one slot drafts for the next request in any
-        records = SlotRecords()  # every slot's drafters' records by lane: following slots price all
-        engines = [SpeculativeEngine(t, d, settings, costs, m, answers, records)
-                   for t, d, m in zip(targets, drafts, mtps)]
-        for e in engines:
-            e.load_heads(medusa_path, medusa_vocab)
+        opened = open_slots(target_path, draft_path, options, settings, parallel, medusa_path, medusa_vocab)
+        try:
+            targets, drafts, mtps = opened.targets, opened.drafts, opened.mtps
+            if costs is None:  # measured by one slot alone, now: later, the other slots' batches would ride along
+                costs = _measure(opened.lockstep, targets, drafts, mtps, settings.draft_max)
+            answers = AnswerPool()  # one for every slot: an answer in one slot drafts for the next request in any
+            records = SlotRecords()  # every slot's drafters' records by lane: following slots price all
+            engines = [SpeculativeEngine(t, d, settings, costs, m, answers, records, opened.lockstep)
+                       for t, d, m in zip(targets, drafts, mtps)]
+            for e in engines:
+                e.load_heads(medusa_path, medusa_vocab)
+        except BaseException:
+            opened.close()
+            raise
         if parallel > 1:  # the target's uneven chains are padded to one length where that costs less
             targets[0].pad_chains(costs.micro_seconds, settings.draft_max + 1)
-        return cls([Slot(i, e) for i, e in enumerate(engines)], lockstep)
+        return cls([Slot(i, e) for i, e in enumerate(engines)], opened.lockstep, opened)
 
     @property
     def parallel(self) -> int:
@@ -181,22 +147,13 @@ class EnginePool:
         lockstep), its responses come here as they are made. Stops at the next token once `cancelled()` is true, or
         once the caller closes this iterator."""
         slot.prompt_tokens, slot.generated_tokens, slot.drafts_kept = len(tokens), 0, 0
-        task = self._spawn(slot, tokens, settings)
-        try:
-            for r in task:
+        with closing(slot.engine.stream(tokens, settings, ahead=True)) as responses:
+            for r in responses:
                 slot.generated_tokens += r.token is not None
                 slot.drafts_kept += r.from_draft
                 yield r
                 if r.finish_reason is not None or cancelled():
                     break
-        finally:
-            task.close()
-
-    def _spawn(self, slot: Slot, tokens: list[int], settings: GenerationSettings | None,
-               put: Callable[[object], None] | None = None) -> Task:
-        """`slot`'s generation of `tokens`, started on the decode thread (lockstep.Lockstep.spawn)."""
-        slot.engine.prepare(settings or slot.engine.settings)  # measured here, by this thread: see prepare
-        return self.lockstep.spawn(slot.engine.steps(tokens, settings), put)
 
     def stream_many(self, prompts: Iterable[Prompt], settings: GenerationSettings | None = None,
                     ) -> Iterator[tuple[int, GenerationResponse | Exception]]:
@@ -219,7 +176,7 @@ class EnginePool:
                 try:
                     tokens = self.engine.encode(prompt, self.engine.n_ctx)
                     with self.slot(tokens) as slot:  # its responses go to `events` straight from the decode thread
-                        task = self._spawn(slot, tokens, settings, lambda item, i=i: events.put((i, item)))
+                        task = slot.engine.spawn(tokens, settings, lambda item, i=i: events.put((i, item)))
                         while not task.ended.wait(0.05):
                             if stop.is_set():
                                 task.close()
@@ -252,16 +209,11 @@ class EnginePool:
         with self._free:
             self._closed = True
             self._free.notify_all()
-        # the last slot's reference would free each shared context: free them now rather than at collection
-        shared = [getattr(d, "shared_context", None) for d in (self.engine.target, self.engine.draft)]  # None: own
-        mtp = self.engine.mtp
+        self.lockstep.close()  # every generation stops first
         for s in self.slots:
             s.engine.close()
-        if mtp is not None:  # before the target's weights
-            mtp.close_shared()
-        for context in shared:
-            if context is not None:
-                context.close()
+        if self._opened is not None:
+            self._opened.close()
 
     def __enter__(self) -> EnginePool:
         return self

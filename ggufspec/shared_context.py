@@ -26,8 +26,9 @@ class SharedContext:
     """The context the slots share: runs one tick's submissions as one batch (lockstep.Runner). `owner` opened it:
     closing the owner frees the context and the model, for every slot (`close`)."""
 
-    def __init__(self, context: Context, owner: LlamaCppDecoder, leads: bool = False) -> None:
-        self.context, self.owner, self.leads = context, owner, leads
+    def __init__(self, context: Context, owner: LlamaCppDecoder, leads: bool = False, alone: bool = False) -> None:
+        """`alone`: the context's only slot (a single stream's), whose prefill Ctrl-C may cut short (Context.run)."""
+        self.context, self.owner, self.leads, self.alone = context, owner, leads, alone
         # a micro-batch's price by its shape (EnginePool sets the measured one): uneven chains of up to pad_max
         # tokens are padded to one length where that costs less (lockstep.even_lanes); None: batches run as submitted
         self.price: Price | None = None
@@ -103,8 +104,9 @@ class SharedContext:
         if n > batch.capacity:  # cannot happen: each slot submits at most its n_batch, and pads fit beside it
             raise GGUFSpecError(f"a shared batch of {n} tokens exceeds its capacity {batch.capacity}")
         batch.fill_entries(*entries)
-        # the submissions' seconds include the computation (Context.run synchronizes); no abort check here
-        rc = self.context.run(n, hidden, abortable=False)
+        # the submissions' seconds include the computation (Context.run synchronizes); no abort check in a batch that
+        # other slots' steps may share
+        rc = self.context.run(n, hidden, may_abort=self.alone)
         batch.reset_sequences(n)
         return rc
 

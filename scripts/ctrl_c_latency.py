@@ -36,8 +36,8 @@ def once(model: str, tree: str, after: float) -> tuple[float, int, bool]:
 
 
 def check_cost(model: str, runs: int) -> None:
-    """One prefill of ~1,800 tokens with and without the abort check (access.ABORTABLE_BATCH), alternating."""
-    from ggufspec import access
+    """One prefill of ~1,800 tokens with and without the abort check (llama_context.ABORTABLE_BATCH), alternating."""
+    from ggufspec import llama_context
     from ggufspec.decoder import DecoderOptions, LlamaCppDecoder
 
     with LlamaCppDecoder(model, DecoderOptions(n_ctx=4096, n_batch=2048)) as d:
@@ -45,7 +45,7 @@ def check_cost(model: str, runs: int) -> None:
         seconds: dict[str, list[float]] = {"check": [], "none": []}
         for _ in range(runs):
             for mode in seconds:
-                access.ABORTABLE_BATCH = 64 if mode == "check" else 1 << 30
+                llama_context.ABORTABLE_BATCH = 64 if mode == "check" else 1 << 30
                 d.rollback_to(0)
                 t = time.perf_counter()
                 d.feed(tokens, all_logits=False)

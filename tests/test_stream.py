@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ggufspec.engine import GenerationSettings, SpeculativeEngine
+from ggufspec.pool import EnginePool
 
 
 def test_responses_add_up_to_the_result(smollm2_path) -> None:
@@ -33,3 +34,30 @@ def test_stopping_early_leaves_an_interrupted_result_and_a_clean_cache(smollm2_p
         fresh = SpeculativeEngine.load(smollm2_path)
         with fresh:
             assert fresh.generate(prompt, GenerationSettings(max_tokens=64)).tokens == again.tokens
+
+
+def test_an_engine_is_a_pool_slot_alone_whose_decode_thread_runs_every_batch(smollm2_path) -> None:
+    """generate, chat and `serve -np 1` take one path: a loaded engine's generation is a task of its scheduler, as a
+    pool's slot's, and gets the text a pool of one gets."""
+    prompt = [{"role": "user", "content": "Name three rivers in Europe."}]
+    settings = GenerationSettings(max_tokens=24, method="lookup")
+    with SpeculativeEngine.load(smollm2_path) as engine:
+        assert engine.target.shared_context is not None  # a slot of a shared context, as a pool's
+        ticks = engine.lockstep.n_ticks
+        result = engine.generate(prompt, settings)
+        # every target batch (the prompt's, counted as a pass, and each after) was one of its scheduler's ticks
+        assert engine.lockstep.n_ticks - ticks == result.stats.target_passes > 1
+        tokens = engine.encode(prompt)
+    with EnginePool.load(smollm2_path, parallel=1) as pool:
+        with pool.slot(tokens) as slot:
+            last = list(pool.run(slot, tokens, settings))[-1]
+    assert last.result.tokens == result.tokens
+
+
+def test_closing_an_engine_mid_stream_stops_its_generation_first(smollm2_path) -> None:
+    with SpeculativeEngine.load(smollm2_path) as engine:
+        stream = engine.stream("Once upon a time", GenerationSettings(max_tokens=64, ignore_eos=True))
+        seen = [next(stream).token for _ in range(3)]
+        engine.close()  # the generation, paused at its third token, closes before the contexts are freed
+        assert engine.last_result.stop_reason == "interrupted" and engine.last_result.tokens == seen
+        stream.close()

@@ -24,7 +24,6 @@ from typing import Any, Literal
 
 from ..engine import GenerationResponse, GenerationResult, GenerationSettings, Prompt, SpeculativeEngine
 from ..errors import RPCError
-from ..lockstep import Lockstep
 from ..pool import EnginePool, Slot
 from .api import APIError
 
@@ -66,9 +65,8 @@ class Job:
 
 
 def as_pool(engine: EnginePool | SpeculativeEngine) -> EnginePool:
-    """The pool a worker runs on: a SpeculativeEngine alone is a pool of one slot (its decoders are its own, so
-    the lockstep never has anything to batch together)."""
-    return engine if isinstance(engine, EnginePool) else EnginePool([Slot(0, engine)], Lockstep())
+    """The pool a worker runs on: a SpeculativeEngine alone is a pool of one slot, on its own scheduler."""
+    return engine if isinstance(engine, EnginePool) else EnginePool([Slot(0, engine)], engine.lockstep)
 
 
 class Worker:
