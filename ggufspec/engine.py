@@ -7,6 +7,7 @@ import threading
 from types import MappingProxyType
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import closing
+from dataclasses import replace
 
 import numpy as np
 
@@ -152,13 +153,14 @@ class SpeculativeEngine:
         return self.last_result
 
     def stream(self, prompt: Prompt, settings: GenerationSettings | None = None, *,
-               ahead: bool = False) -> Iterator[GenerationResponse]:
+               ahead: bool = True) -> Iterator[GenerationResponse]:
         """Yield a response per committed token, then one with the finish reason and the whole result (also left
-        in `last_result`, even when the caller stops early). The generation runs on the scheduler's decode thread
-        (`spawn`), each step once the next response is asked for; `ahead`: without waiting for this reader (a
-        server's slot, which must not hold the others up). Ctrl-C on the main thread while it waits stops the
-        generation, a long prefill's batch midway, and is raised here."""
+        in `last_result`, even when the caller stops early: then with the tokens and text it was given). The
+        generation runs on the scheduler's decode thread (`spawn`), on without waiting for this reader (`ahead`: a
+        step or so ahead of a reader that stops early), else each step once the next response is asked for. Ctrl-C on
+        the main thread while it waits stops the generation, a long prefill's batch midway, and is raised here."""
         task = self.spawn(prompt, settings, lazy=not ahead)
+        seen: list[GenerationResponse] = []
         try:
             while True:
                 with llama_log.interruptible():  # the decode thread's abort check reads what it holds
@@ -167,9 +169,12 @@ class SpeculativeEngine:
                     if r.error is not None:
                         raise r.error
                     return
+                seen.append(r)
                 yield r
         finally:
             task.close()
+            if not (seen and seen[-1].finish_reason is not None) and self.last_result is not None:
+                self.last_result = given(self.last_result, seen)
 
     def spawn(self, prompt: Prompt, settings: GenerationSettings | None = None,
               put: Callable[[object], None] | None = None, lazy: bool = False) -> Task:
@@ -370,3 +375,11 @@ class SpeculativeEngine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+
+def given(result: GenerationResult, seen: list[GenerationResponse]) -> GenerationResult:
+    """`result`, of a generation its reader stopped early, as far as the reader was given it (the generation may
+    have run a step further: its stats count what ran)."""
+    tokens = [r.token for r in seen if r.token is not None]
+    if tokens == result.tokens[: len(tokens)] and len(tokens) < len(result.tokens):
+        return replace(result, text="".join(r.text for r in seen), tokens=tokens, stop_reason="interrupted")
+    return result

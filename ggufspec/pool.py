@@ -147,7 +147,7 @@ class EnginePool:
         lockstep), its responses come here as they are made. Stops at the next token once `cancelled()` is true, or
         once the caller closes this iterator."""
         slot.prompt_tokens, slot.generated_tokens, slot.drafts_kept = len(tokens), 0, 0
-        with closing(slot.engine.stream(tokens, settings, ahead=True)) as responses:
+        with closing(slot.engine.stream(tokens, settings)) as responses:
             for r in responses:
                 slot.generated_tokens += r.token is not None
                 slot.drafts_kept += r.from_draft
