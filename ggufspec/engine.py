@@ -156,9 +156,10 @@ class SpeculativeEngine:
                ahead: bool = True) -> Iterator[GenerationResponse]:
         """Yield a response per committed token, then one with the finish reason and the whole result (also left
         in `last_result`, even when the caller stops early: then with the tokens and text it was given). The
-        generation runs on the scheduler's decode thread (`spawn`), on without waiting for this reader (`ahead`: a
-        step or so ahead of a reader that stops early), else each step once the next response is asked for. Ctrl-C on
-        the main thread while it waits stops the generation, a long prefill's batch midway, and is raised here."""
+        generation runs on the scheduler's decode thread (`spawn`): on without waiting for this reader (`ahead`: it
+        may have run further than a reader that stops early was given), else each step once the next response is
+        asked for. Ctrl-C on the main thread while it waits stops the generation, a long prefill's batch midway, and
+        is raised here."""
         task = self.spawn(prompt, settings, lazy=not ahead)
         seen: list[GenerationResponse] = []
         try:
@@ -180,12 +181,15 @@ class SpeculativeEngine:
               put: Callable[[object], None] | None = None, lazy: bool = False) -> Task:
         """The generation of `prompt`, started as a task of the scheduler's decode thread (Lockstep.spawn: its
         responses, then an Ended, go to `put`, else to the Task; `lazy`: each waits to be asked for). What it
-        measures first (prepare) is measured now, by the calling thread."""
+        measures first (prepare) is measured now, by the calling thread, on slots of shared contexts, whose decodes
+        the decode thread runs for it; decoders of their own (a target on RPC servers) measure in the task: every
+        decode on one thread (see lockstep.Lockstep)."""
         if self._closed:
             raise GGUFSpecError("this engine is closed.")
         if self.lockstep.on_thread():  # it would wait for itself
             raise GGUFSpecError("a generation cannot start another on the decode thread it runs on.")
-        self.prepare(settings or self.settings)
+        if getattr(self.target, "shared_context", None) is not None:
+            self.prepare(settings or self.settings)
         return self.lockstep.spawn(self.steps(prompt, settings), put, lazy)
 
     def steps(self, prompt: Prompt, settings: GenerationSettings | None = None,
