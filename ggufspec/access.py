@@ -19,7 +19,6 @@ from .lockstep import NO_BATCH, BatchShape, Lockstep, Steps, Submission
 from .shared_context import SharedContext
 
 
-
 class Access(Protocol):
     """A decoder's way to its context. `context` is None once the decoder closed it; `seq` is the sequence that holds
     its history (its trees' leaves are the sequences after it); `lockstep` is None on a context of its own."""

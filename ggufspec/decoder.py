@@ -25,7 +25,8 @@ from .access import OwnAccess, SlotAccess
 from .llama_context import Context, default_threads
 from .errors import GGUFSpecError
 from .gguf_check import read_header
-from .lockstep import BatchShape, Lockstep, Price, Steps, run_steps
+from .lockstep import BatchShape, Lockstep, Steps, run_steps
+from .micro_batches import Price
 from .machine_cache import notice
 from .memory import check_memory
 from .model import LlamaModel
@@ -365,7 +366,7 @@ class LlamaCppDecoder(TreeDecoding):
     def pad_chains(self, price: Price | None, pad_max: int) -> None:
         """How this slot's shared context runs uneven chains from now on, for every slot of it: with `price` (a
         micro-batch's seconds by its shape, e.g. CostModel.micro_seconds) chains of up to `pad_max` tokens are padded
-        to one length where that costs less (lockstep.even_lanes); price None (the default): batches run as
+        to one length where that costs less (micro_batches.even_lanes); price None (the default): batches run as
         submitted. GGUFSpecError on a decoder with a context of its own."""
         runner = self._access.runner
         if runner is None:

@@ -382,7 +382,7 @@ class SpeculativeEngine:
 
 def given(result: GenerationResult, seen: list[GenerationResponse]) -> GenerationResult:
     """`result`, of a generation its reader stopped early, as far as the reader was given it (the generation may
-    have run a step further: its stats count what ran)."""
+    have run further: its stats count what ran)."""
     tokens = [r.token for r in seen if r.token is not None]
     if tokens == result.tokens[: len(tokens)] and len(tokens) < len(result.tokens):
         return replace(result, text="".join(r.text for r in seen), tokens=tokens, stop_reason="interrupted")

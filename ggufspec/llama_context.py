@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 # nodes, single tokens) skip the check's call into Python at every node.
 ABORTABLE_BATCH = 64
 
+
 def default_threads() -> int:
     """GGUFSPEC_THREADS when set, else every core this process may run on."""
     if os.environ.get("GGUFSPEC_THREADS", "").isdigit() and int(os.environ["GGUFSPEC_THREADS"]) > 0:

@@ -14,7 +14,6 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import closing, contextmanager
 from dataclasses import dataclass, replace
-from typing import TypeVar
 
 from .costs import LONG_BATCHES, CostModel, cached_measure, measure_together
 from .decoder import DecoderOptions, LlamaCppDecoder
@@ -26,7 +25,6 @@ from .opening import Opened, open_slots
 from .policy.shared import SlotRecords
 from .proposers import AnswerPool
 
-T = TypeVar("T")
 MAX_SLOTS = 256  # llama.cpp's LLAMA_MAX_SEQ: a slot is a KV sequence
 SLOT_WIDTHS = (1, 2, 3)  # a plain step of every slot, and every slot verifying 1 or 2 drafts (follow pricing)
 

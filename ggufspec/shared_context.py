@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 
 from .llama_context import Context
 from .errors import GGUFSpecError
-from .lockstep import Price, Submission, even_lanes
+from .lockstep import Submission
+from .micro_batches import Price, even_lanes
 
 if TYPE_CHECKING:
     from .decoder import LlamaCppDecoder
@@ -30,7 +31,8 @@ class SharedContext:
         """`alone`: the context's only slot (a single stream's), whose prefill Ctrl-C may cut short (Context.run)."""
         self.context, self.owner, self.leads, self.alone = context, owner, leads, alone
         # a micro-batch's price by its shape (EnginePool sets the measured one): uneven chains of up to pad_max
-        # tokens are padded to one length where that costs less (lockstep.even_lanes); None: batches run as submitted
+        # tokens are padded to one length where that costs less (micro_batches.even_lanes); None: batches run as
+        # submitted
         self.price: Price | None = None
         self.pad_max = 0
 

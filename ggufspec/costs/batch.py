@@ -15,9 +15,9 @@ class SharedBatch(Prices):
     last one (`lanes`, this slot's at `lane`): the rule that prices speculation per batch (docs/methods.md).
 
     A step with k drafts makes the whole batch cost its micro-batches (llama.cpp runs chains of unequal lengths in
-    several: lockstep.micro_batches), each at micro_seconds, and commits the others' tokens plus this slot's expected
-    ones; the others are counted as committing one token per token they add (a plain step's; drafting slots commit
-    fewer, so this under-prices drafting, never over-prices it). So drafting is chosen only where it raises the
+    several: micro_batches.micro_batches), each at micro_seconds, and commits the others' tokens plus this slot's
+    expected ones; the others are counted as committing one token per token they add (a plain step's; drafting slots
+    commit fewer, so this under-prices drafting, never over-prices it). So drafting is chosen only where it raises the
     whole batch's tokens per second: with one busy slot it is the base model's choice; with many, on a CPU where a
     batch's cost grows with its size, or wherever a longer chain costs a pass of its own, drafts shrink to what
     still pays, and never below plain continuous batching.

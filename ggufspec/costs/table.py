@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
-from ..lockstep import padded_seconds
+from ..micro_batches import padded_seconds
 from . import learn
 
 
@@ -170,7 +170,7 @@ class CostModel(Prices):
         return _between(sizes, secs, n)
 
     def micro_seconds(self, seqs: int, each: int) -> float:
-        """Seconds for a micro-batch of `each` tokens in each of `seqs` sequences (lockstep.micro_shapes): for a
+        """Seconds for a micro-batch of `each` tokens in each of `seqs` sequences (micro_batches.micro_shapes): for a
         pool's steps, between one sequence's `each` tokens and every slot's, as measured together, interpolated by
         the sequences; else priced by its tokens. llama.cpp computes several sequences' tokens with other kernels
         than one sequence's as many: priced as one sequence's, a pool's batch is off, and uneven chains that one
@@ -184,7 +184,7 @@ class CostModel(Prices):
 
     def padded_seconds(self, lanes: tuple[int, ...], longest: int) -> float:
         """What a batch of `lanes[s]` tokens of each sequence s costs, padded where that costs less
-        (lockstep.padded_seconds, at micro_seconds' prices)."""
+        (micro_batches.padded_seconds, at micro_seconds' prices)."""
         memo = self._prices
         price = memo.get((lanes, longest))
         if price is None:
