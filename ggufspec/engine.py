@@ -153,13 +153,14 @@ class SpeculativeEngine:
         return self.last_result
 
     def stream(self, prompt: Prompt, settings: GenerationSettings | None = None, *,
-               ahead: bool = True) -> Iterator[GenerationResponse]:
+               ahead: bool = False) -> Iterator[GenerationResponse]:
         """Yield a response per committed token, then one with the finish reason and the whole result (also left
         in `last_result`, even when the caller stops early: then with the tokens and text it was given). The
-        generation runs on the scheduler's decode thread (`spawn`): on without waiting for this reader (`ahead`: it
-        may have run further than a reader that stops early was given), else each step once the next response is
-        asked for. Ctrl-C on the main thread while it waits stops the generation, a long prefill's batch midway, and
-        is raised here."""
+        generation is a task of the scheduler (`spawn`) whose next step runs once the next response is asked for:
+        on this thread, turning the scheduler, where no decode thread runs it (a loaded engine's); `ahead`: on the
+        decode thread without waiting for this reader (a server's slot, which must not hold the others up; it may
+        have run further than a reader that stops early was given). Ctrl-C on the main thread stops the generation,
+        a long prefill's batch midway, and is raised here."""
         task = self.spawn(prompt, settings, lazy=not ahead)
         seen: list[GenerationResponse] = []
         try:
@@ -187,7 +188,7 @@ class SpeculativeEngine:
         if self._closed:
             raise GGUFSpecError("this engine is closed.")
         if self.lockstep.on_thread():  # it would wait for itself
-            raise GGUFSpecError("a generation cannot start another on the decode thread it runs on.")
+            raise GGUFSpecError("a generation cannot start another from the task it runs in.")
         if getattr(self.target, "shared_context", None) is not None:
             self.prepare(settings or self.settings)
         return self.lockstep.spawn(self.steps(prompt, settings), put, lazy)

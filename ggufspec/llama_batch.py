@@ -48,10 +48,16 @@ class Batch:
         n = len(tokens)
         if n > self.capacity:
             raise ValueError(f"tree of {n} nodes exceeds the batch capacity {self.capacity}")
-        self.token[:n] = tokens
-        self.pos[:n] = positions
-        self.logits[:n] = 1
+        if n == 1:  # a decode step: item writes, not numpy slices
+            self.token[0], self.pos[0], self.logits[0] = tokens[0], positions[0], 1
+        else:
+            self.token[:n] = tokens
+            self.pos[:n] = positions
+            self.logits[:n] = 1
         for i, ids in enumerate(seq_ids):
+            if len(ids) == 1:  # (item writes)
+                self._seq_rows[i][0], self.n_seq_id[i] = ids[0], 1
+                continue
             if len(ids) > self.n_seq_max:
                 raise ValueError(f"node {i} is in {len(ids)} sequences; the context allows {self.n_seq_max}")
             self._seq_rows[i][: len(ids)] = ids
@@ -62,13 +68,19 @@ class Batch:
                      outputs: Sequence[bool]) -> None:
         """Tokens of any sequences (several slots' steps in one batch); logits for those with `outputs`."""
         self.fill_tree(tokens, positions, seq_ids)
-        self.logits[: len(tokens)] = outputs
+        if len(tokens) == 1:
+            self.logits[0] = outputs[0]
+        else:
+            self.logits[: len(tokens)] = outputs
 
     def reset_sequences(self, n: int) -> None:
         """Put the first n slots back in sequence 0 only (after a tree batch)."""
         for row in self._seq_rows[:n]:
             row[0] = 0
-        self.n_seq_id[:n] = 1
+        if n == 1:
+            self.n_seq_id[0] = 1
+        else:
+            self.n_seq_id[:n] = 1
 
     @property
     def struct(self) -> llama_cpp.llama_batch:

@@ -12,6 +12,7 @@ the abort check read it to stop llama.cpp, and the KeyboardInterrupt is raised o
 
 from __future__ import annotations
 
+import _signal  # signal's own functions without signal.py's enum conversions (~20 us a token, twice a token in a stream)
 import ctypes
 import re
 import signal
@@ -84,14 +85,14 @@ def interruptible() -> Iterator[None]:
     installs its own); elsewhere, and nested, the block neither holds nor raises it."""
     global _held_interrupt
     swap = (threading.current_thread() is threading.main_thread()
-            and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+            and _signal.getsignal(signal.SIGINT) is signal.default_int_handler)
     if swap:
-        signal.signal(signal.SIGINT, _hold)
+        _signal.signal(signal.SIGINT, _hold)
     try:
         yield
     finally:
         if swap:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+            _signal.signal(signal.SIGINT, signal.default_int_handler)
     if swap and _held_interrupt:
         _held_interrupt = False
         raise KeyboardInterrupt

@@ -196,6 +196,15 @@ class Task:
             self.wanted = True
             self.lockstep._wake()
         while True:
+            if not self.lockstep.threaded:  # this thread turns the scheduler
+                try:
+                    return self.out.get_nowait()
+                except queue.Empty:
+                    if stop():
+                        self.close()
+                        return Ended()
+                    self.lockstep._turn_or_sleep(poll, lambda: not self.out.empty())
+                    continue
             try:
                 return self.out.get(timeout=poll)
             except queue.Empty:
@@ -209,6 +218,8 @@ class Task:
         if not self.ended.is_set():
             self.closing = True
             self.lockstep._wake()
+            while not self.lockstep.threaded and not self.ended.is_set():  # this thread turns the scheduler
+                self.lockstep._turn_or_sleep(0.01, self.ended.is_set)
             self.ended.wait()
 
 
@@ -235,7 +246,12 @@ class Lockstep:
 
     Every tick runs on that thread: with llama.cpp's OpenMP build, a decode from another thread than the one that
     decoded before runs at about half speed, so no decode may run on a member's own thread. The tasks' Python runs
-    there too, one after another: no slot waits for another's thread to be scheduled, nor for the interpreter."""
+    there too, one after another: no slot waits for another's thread to be scheduled, nor for the interpreter.
+
+    The decode thread starts with the first eager task (a pool's slot, which no reader drives) or `start()` (a pool,
+    before it measures: every decode on that one thread). Until then the threads that wait on the scheduler turn it
+    themselves (`threaded` False: a single stream's reader, which waits for each response anyway, and its cost
+    measurements): the same tasks and ticks, with no hand-over between threads."""
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
@@ -257,9 +273,19 @@ class Lockstep:
         self.n_ticks = 0  # ticks run
         self.decode_seconds = 0.0  # every tick's batches, all contexts: the rest of a busy pool's time is the slots'
 
+    @property
+    def threaded(self) -> bool:
+        """Whether the decode thread runs the ticks (else the waiting threads turn the scheduler themselves)."""
+        return self._runner is not None
+
+    def start(self) -> None:
+        """Run the ticks on the decode thread from now on."""
+        with self.lock:
+            self._start()
+
     def on_thread(self) -> bool:
-        """Whether the calling thread is the decode thread (a task's)."""
-        return threading.current_thread() is self._runner
+        """Whether the calling thread runs a task now (the decode thread, or one turning the scheduler)."""
+        return threading.current_thread() is self._runner or getattr(self._local, "turning", False)
 
     def close(self) -> None:
         """Stop: every task closes at its next output (a paused one at once), then the decode thread ends; returns
@@ -268,8 +294,12 @@ class Lockstep:
         for task in [*self._tasks, *self._inbox]:
             task.closing = True
         self._wake()
-        if self._runner is not None and not self.on_thread():
+        if self.on_thread():
+            return
+        if self._runner is not None:
             self._runner.join()
+        while self._tasks or self._inbox:  # no decode thread: their cleanup runs here
+            self._turn_or_sleep(0.01, lambda: not (self._tasks or self._inbox))
 
     def others(self) -> int:
         """Generations taking part now (tasks and member threads), the calling one aside; or, where more, the other
@@ -296,18 +326,20 @@ class Lockstep:
 
     def submit(self, runner: Runner, sub: Submission) -> Submission:
         """Queue `sub` for `runner`'s next batch and wait until it has run; `sub` comes back with its results."""
-        if threading.current_thread() is self._runner:  # it would wait for itself
+        if self.on_thread():  # it would wait for itself
             raise RuntimeError("a task's decode is yielded (a lockstep.Steps coroutine), not submitted")
         if self._closed:  # no decode thread would run it
             raise RuntimeError("this lockstep is closed")
         with self.member():
             with self.lock:
                 self._queue(runner, sub)
-                self._start()
-                if self._complete():
-                    self._wake()
-                while not sub.done:
-                    self._ticked.wait()
+                if self.threaded:
+                    if self._complete():
+                        self._wake()
+                    while not sub.done:
+                        self._ticked.wait()
+            while not sub.done:  # no decode thread: this thread turns the scheduler
+                self._turn_or_sleep(0.01, lambda: sub.done)
         return sub
 
     def spawn(self, steps: Iterator[Any], put: Callable[[Any], None] | None = None, lazy: bool = False) -> Task:
@@ -320,8 +352,8 @@ class Lockstep:
         with self._woken:
             self._inbox.append(task)
         self._wake()
-        if self._runner is None:  # (once running, the decode thread holds `lock` nearly always: no wait for it)
-            with self.lock:
+        if not lazy and self._runner is None:  # no reader turns the scheduler for it (once running, the decode
+            with self.lock:  # thread holds `lock` nearly always: no wait for it)
                 self._start()
         return task
 
@@ -384,24 +416,42 @@ class Lockstep:
             self._runner.start()
 
     def _run_ticks(self) -> None:
-        """The decode thread: run the tasks on, then a tick whenever every task and every member waits on one
-        (holding the lock meanwhile); else sleep until woken."""
+        """The decode thread: turn the scheduler; sleep until woken where no tick was complete."""
         while True:
-            with self._woken:
-                self._wake_flag = False
-                self._tasks += self._inbox
-                self._inbox.clear()
-            with self.lock:
-                self._advance()  # every task left waits on one submission of this tick
-                ready = self._tick.waiting > 0 and self._complete()
-                if ready:
-                    self._run_tick(self._tick)
+            ready = self._turn()
             if self._closed and not self._tasks:  # (close: every task closes at its next output)
                 return
             if not ready:
                 with self._woken:
                     while not self._wake_flag:
                         self._woken.wait()
+
+    def _turn(self) -> bool:
+        """Run the tasks on, then the tick where every task and every member waits on it (holding the lock
+        meanwhile); whether it ran."""
+        with self._woken:
+            self._wake_flag = False
+            self._tasks += self._inbox
+            self._inbox.clear()
+        with self.lock:
+            self._local.turning = True
+            try:
+                self._advance()  # every task left waits on one submission of this tick
+                ready = self._tick.waiting > 0 and self._complete()
+                if ready:
+                    self._run_tick(self._tick)
+                    self._advance()  # on to their next submissions (or outputs) at once
+            finally:
+                self._local.turning = False
+        return ready
+
+    def _turn_or_sleep(self, timeout: float, done: Callable[[], bool]) -> None:
+        """A waiting thread's turn of the scheduler (no decode thread runs it); where no tick was complete and what
+        it waits for is not `done()`, a sleep until something changes (or `timeout` seconds)."""
+        if not self._turn() and not done():
+            with self._woken:
+                if not self._wake_flag:
+                    self._woken.wait(timeout)
 
     def _complete(self) -> bool:
         """Whether every member waits on the next tick (under `lock`): its submissions but the tasks' are theirs

@@ -87,6 +87,7 @@ class EnginePool:
                                 "--parallel 1.")
         settings = settings or GenerationSettings()
         opened = open_slots(target_path, draft_path, options, settings, parallel, medusa_path, medusa_vocab)
+        opened.lockstep.start()  # every decode on its decode thread, the measurements' too (see lockstep.Lockstep)
         try:
             targets, drafts, mtps = opened.targets, opened.drafts, opened.mtps
             if costs is None:  # measured by one slot alone, now: later, the other slots' batches would ride along
@@ -145,7 +146,7 @@ class EnginePool:
         lockstep), its responses come here as they are made. Stops at the next token once `cancelled()` is true, or
         once the caller closes this iterator."""
         slot.prompt_tokens, slot.generated_tokens, slot.drafts_kept = len(tokens), 0, 0
-        with closing(slot.engine.stream(tokens, settings)) as responses:
+        with closing(slot.engine.stream(tokens, settings, ahead=True)) as responses:
             for r in responses:
                 slot.generated_tokens += r.token is not None
                 slot.drafts_kept += r.from_draft

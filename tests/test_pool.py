@@ -201,8 +201,8 @@ def test_a_generation_begins_priced_beside_the_slots_generating_then(tiny_target
         a, b = pool.slots
         assert a.engine.target.peers == b.engine.target.peers == 0
 
-        def run_a() -> None:  # a's stream makes its next token only once asked for it (ahead=False)
-            for _ in a.engine.stream(pool.engine.encode(PROMPTS[0]), settings, ahead=False):
+        def run_a() -> None:  # a stream makes its next token only once asked for it (pool.run's runs ahead)
+            for _ in a.engine.stream(pool.engine.encode(PROMPTS[0]), settings):
                 first.set()
                 go.wait(60)  # a stays mid-generation while b begins
 

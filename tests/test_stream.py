@@ -56,7 +56,7 @@ def test_an_engine_is_a_pool_slot_alone_whose_decode_thread_runs_every_batch(smo
 
 def test_closing_an_engine_mid_stream_stops_its_generation_first(smollm2_path) -> None:
     with SpeculativeEngine.load(smollm2_path) as engine:
-        stream = engine.stream("Once upon a time", GenerationSettings(max_tokens=64, ignore_eos=True), ahead=False)
+        stream = engine.stream("Once upon a time", GenerationSettings(max_tokens=64, ignore_eos=True))
         seen = [next(stream).token for _ in range(3)]
         engine.close()  # the generation, waiting at its third token, closes before the contexts are freed
         assert engine.last_result.stop_reason == "interrupted" and engine.last_result.tokens == seen
