@@ -49,9 +49,9 @@ class SpeculativeEngine:
     ) -> None:
         """`answers`: what earlier generations answered, for `auto`'s lookup (EnginePool: one for every slot; a new one
         when None); `slot_records`: the pool's slots' drafter records, which `auto` prices a shared batch with;
-        `lockstep`: the scheduler of the shared contexts the decoders are slots of (LlamaCppDecoder.slots), whose
-        decode thread runs each generation (a task: `spawn`); None: decoders of contexts of their own, whose
-        generations run on a decode thread of the engine's own."""
+        `lockstep`: the scheduler of the shared contexts the decoders are slots of (LlamaCppDecoder.slots), which
+        runs each generation as a task (`spawn`); None: decoders of contexts of their own, run by a scheduler of the
+        engine's own."""
         self.target = target
         self.draft = draft
         self.mtp = mtp
@@ -82,8 +82,8 @@ class SpeculativeEngine:
         costs: CostModel | None = None,
     ) -> SpeculativeEngine:
         """Open the GGUF files (checked first, and their RAM needs together) and pair them; Medusa heads if given.
-        The engine is a pool's slot alone (opening.open_slots): its generations run on its scheduler's decode thread,
-        as `serve`'s do."""
+        The engine is a pool's slot alone (opening.open_slots): its generations are tasks of its scheduler, as
+        `serve`'s are, which the thread reading a stream turns (no decode thread: see stream)."""
         opened = open_slots(target_path, draft_path, options, settings or GenerationSettings(), 1, medusa_path,
                             medusa_vocab)
         try:
@@ -165,7 +165,7 @@ class SpeculativeEngine:
         seen: list[GenerationResponse] = []
         try:
             while True:
-                with llama_log.interruptible():  # the decode thread's abort check reads what it holds
+                with llama_log.interruptible():  # the abort check reads what it holds (on whichever thread decodes)
                     r = task.get(llama_log.interrupt_held)
                 if isinstance(r, Ended):
                     if r.error is not None:
@@ -180,11 +180,11 @@ class SpeculativeEngine:
 
     def spawn(self, prompt: Prompt, settings: GenerationSettings | None = None,
               put: Callable[[object], None] | None = None, lazy: bool = False) -> Task:
-        """The generation of `prompt`, started as a task of the scheduler's decode thread (Lockstep.spawn: its
-        responses, then an Ended, go to `put`, else to the Task; `lazy`: each waits to be asked for). What it
-        measures first (prepare) is measured now, by the calling thread, on slots of shared contexts, whose decodes
-        the decode thread runs for it; decoders of their own (a target on RPC servers) measure in the task: every
-        decode on one thread (see lockstep.Lockstep)."""
+        """The generation of `prompt`, started as a task of the scheduler (Lockstep.spawn: its responses, then an
+        Ended, go to `put`, else to the Task; `lazy`: each waits to be asked for, else the decode thread runs it on).
+        What it measures first (prepare) is measured now, by the calling thread, on slots of shared contexts, whose
+        decodes the scheduler runs; decoders of their own (a target on RPC servers) measure in the task: every decode
+        on the thread that runs the tasks (see lockstep.Lockstep)."""
         if self._closed:
             raise GGUFSpecError("this engine is closed.")
         if self.lockstep.on_thread():  # it would wait for itself

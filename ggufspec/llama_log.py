@@ -12,7 +12,7 @@ the abort check read it to stop llama.cpp, and the KeyboardInterrupt is raised o
 
 from __future__ import annotations
 
-import _signal  # signal's own functions without signal.py's enum conversions (~20 us a token, twice a token in a stream)
+import _signal  # signal's own functions, without signal.py's enum conversions (~20 us a token: a stream swaps twice)
 import ctypes
 import re
 import signal
