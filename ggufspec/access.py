@@ -197,7 +197,10 @@ class SlotAccess:
         self.context.drop(range(self.seq, self.seq + self.span))
 
     def keep(self, keep: int, n_leaves: int) -> None:
-        self.context.drop(s for s in range(self.seq, self.seq + n_leaves + 1) if s != keep)
+        if self.runner.alone:  # every sequence of the context is this slot's: one pass over the cache
+            self.context.seq_keep(keep)
+        else:
+            self.context.drop(s for s in range(self.seq, self.seq + n_leaves + 1) if s != keep)
 
     def close(self) -> None:
         """Let go of the shared context: the last reference frees it (or SharedContext.close)."""
