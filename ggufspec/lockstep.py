@@ -161,8 +161,8 @@ class Ended:
 
 
 class Task:
-    """A generation the decode thread runs (Lockstep.spawn): iterate over it for what its coroutine yields besides
-    submissions, in order (its exception raised at the end); close() stops it at its next item.
+    """A generation the scheduler runs (Lockstep.spawn): `get` reads what its coroutine yields besides submissions,
+    in order, then an Ended (with its exception, if any); close() stops it at its next item.
 
     An eager task runs on without waiting for its reader (a pool's slot never holds the others up); a `lazy` one
     makes its next output only once its reader asks for it (`get`), as a Python generator would: a reader that stops
@@ -170,7 +170,7 @@ class Task:
 
     def __init__(self, steps: Iterator[Any], lockstep: Lockstep, put: Callable[[Any], None] | None = None,
                  lazy: bool = False) -> None:
-        """`put`: where its outputs go (its own queue, which iterating reads, when None)."""
+        """`put`: where its outputs go (its own queue, which `get` reads, when None)."""
         self.steps, self.lockstep, self.lazy = steps, lockstep, lazy
         self.out: queue.SimpleQueue = queue.SimpleQueue()  # unbounded: the decode thread never waits for a reader
         self.put = put or self.out.put
@@ -180,15 +180,6 @@ class Task:
         self.closing = False
         self.ended = threading.Event()
 
-    def __iter__(self) -> Iterator[Any]:
-        while True:
-            item = self.out.get()
-            if isinstance(item, Ended):
-                if item.error is not None:
-                    raise item.error
-                return
-            yield item
-
     def get(self, stop: Callable[[], bool], poll: float = 0.1) -> Any:
         """Its next output (an Ended last); once `stop()` turns true while waiting (checked every `poll` seconds: Ctrl-C
         held for the main thread, llama_log.interrupt_held), it is closed and an Ended comes back."""
@@ -196,21 +187,15 @@ class Task:
             self.wanted = True
             self.lockstep._wake()
         while True:
-            if not self.lockstep.threaded:  # this thread turns the scheduler
-                try:
-                    return self.out.get_nowait()
-                except queue.Empty:
-                    if stop():
-                        self.close()
-                        return Ended()
-                    self.lockstep._turn_or_sleep(poll, lambda: not self.out.empty())
-                    continue
+            threaded = self.lockstep.threaded  # else this thread turns the scheduler
             try:
-                return self.out.get(timeout=poll)
+                return self.out.get(timeout=poll) if threaded else self.out.get_nowait()
             except queue.Empty:
                 if stop():
                     self.close()
                     return Ended()
+                if not threaded:
+                    self.lockstep._turn_or_sleep(poll, lambda: not self.out.empty())
 
     def close(self) -> None:
         """Stop the generation at its next item (its coroutine closed on the decode thread: its cleanup runs there,
