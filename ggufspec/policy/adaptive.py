@@ -99,7 +99,7 @@ class AdaptiveLength:
     def rest(self) -> bool:
         """choose(0) where it would return 0 without pricing (True: a plain step counted toward the next probe);
         False, counting nothing, where a probe is due."""
-        if not self.rests():
+        if self._off_steps + 1 >= self.probe_every:  # (rests(), inlined: every quiet step of a pool's slot asks)
             return False
         self._off_steps += 1
         self._probing = False

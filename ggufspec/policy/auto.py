@@ -27,7 +27,7 @@ PROBE_CATCH_UP_SHARE = 0.1
 # While a pool's plan stands (REACH_TICKS ticks where nothing drafts), the cost model learns from one quiet tick in
 # this many (its first slot's step): the prices learned meanwhile price only the next plan, and learning from every
 # tick cost a pool of 8 quiet slots as much as their planning (docs/methods.md#measured-constants: QUIET_LEARN_EVERY)
-QUIET_LEARN_EVERY = 8
+QUIET_LEARN_EVERY = 32
 MTP_MEMORY = 0.8  # the MTP head's record: each judged guess moves it 20% of the way (other records: 5%)
 SOURCE_NAMES = {"draft": "draft model", "lookup": "lookup", "medusa": "Medusa tree", "mtp": "MTP head"}  # decision()
 MODEL_NAMES = {"draft": "the draft model", "mtp": "the MTP head"}  # the drafting models, as decision() says them
@@ -139,21 +139,37 @@ class AutoPolicy:
         # tick's first slot, taken by the others; where no model drafts, for REACH_TICKS ticks (the views' prices are
         # then a few ticks old, and what the slots' full steps teach the cost model prices the next plan)
         pool = self.slot_records
-        even = pool is not None and self.tick >= 0 and self.lanes.count(self.lanes[0]) == len(self.lanes)
-        key = (id(costs), len(self.lanes), self.lanes[0], self.k_max, self._model_names)
-        kept = pool.plans.get(key) if even else None
+        key = self._plan_key(costs)
+        kept = pool.plans.get(key) if key is not None else None
         if kept is not None and kept.costs is costs and kept.tick <= self.tick < kept.until:
             if kept is not self._tick_plan:  # (the records hold its views from this slot's last step otherwise)
                 self._take(kept)
             return kept.planned  # (read only)
         planned = self._price_shared(costs)
         self._tick_plan = None
-        if even:
+        if key is not None:
             if kept is not None:
                 kept.replaced = True
             views = tuple(r.costs for r in self._records)
             self._tick_plan = pool.plans[key] = TickPlan(self.tick, planned, views, costs, key, self.lanes)
         return planned
+
+    def _plan_key(self, costs: CostModel) -> tuple | None:
+        """The key of the pool's plan for a batch like the last one, at `costs`; None where no pool's plan serves it
+        (no pool, no batch yet, a batch of its own, or slots that added unequal tokens)."""
+        lanes = self.lanes
+        if self.slot_records is None or self.tick < 0 or len(lanes) < 2 or lanes.count(lanes[0]) != len(lanes):
+            return None
+        return (id(costs), len(lanes), lanes[0], self.k_max, self._model_names)
+
+    def _standing(self, n_ctx: int) -> TickPlan | None:
+        """The pool's plan that price_at(n_ctx) would take now, where one stands (another slot worked it out)."""
+        costs = self.context_costs.at(n_ctx)
+        key = self._plan_key(costs)
+        kept = self.slot_records.plans.get(key) if key is not None else None
+        if kept is None or kept.costs is not costs or not kept.tick <= self.tick < kept.until:
+            return None
+        return kept
 
     def _take(self, plan: TickPlan) -> None:
         """Price the next steps as the pool's `plan` does: its views for every record."""
@@ -228,7 +244,7 @@ class AutoPolicy:
 
     def plan(self, context: Context, room: int, deferred: int) -> Plan:
         # (Medusa's steps are planned in full: its sizer plans a tree every step)
-        self._quiet_step = self._tick_plan is not None and self.sizer is None and self._quiet(len(context))
+        self._quiet_step = self.slot_records is not None and self.sizer is None and self._quiet(len(context))
         if self._quiet_step:
             return PLAIN
         nodes = None
@@ -281,16 +297,19 @@ class AutoPolicy:
         no lookup guess worth searching for, no guess of this slot's waits to be judged, and no probe is due (or the
         one due is not worth it at the plan's prices: deferred here, as the full plan would). Counted as the full
         plan would count it; the first drafting model's record times it (the full plan's catch-up rule is weighed
-        when a probe is made). Needs a pool's plan held (`_tick_plan`)."""
-        now = self._tick_plan
-        if self._unverified or n_ctx > self._last_ctx:
+        when a probe is made). The plan held, or the one standing for this context and batch (taken as price_at
+        takes it: a generation's steps after its first, a context grown past its cost model's, a batch of other
+        slots, another slot's newer plan)."""
+        if self._unverified:
             return False
-        if now.replaced:  # another slot's newer plan, taken as price_at takes it
-            now = self.slot_records.plans.get(now.key)
+        now = self._tick_plan
+        if now is None or now.replaced or n_ctx > self._last_ctx or self.lanes != now.lanes:
+            now = self._standing(n_ctx)
             if now is None:
                 return False
             self._take(now)
-        if not (now.quiet and now.tick <= self.tick < now.until and self.lanes == now.lanes):
+            self._last_ctx = self.context_costs.last_at(n_ctx)
+        if not (now.quiet and now.tick <= self.tick < now.until):
             return False
         records = self._model_records
         if len(records) > 1 and not all(record.rests() for record in records):  # (none counts unless all rest)
@@ -353,11 +372,12 @@ class AutoPolicy:
         return Plan(best[1], best[3])
 
     def observe(self, plan: Plan, draft: Draft, verdict: Verdict, timing: Timing | None) -> None:
-        self.lanes, self.lane, self.tick = verdict.shape.lanes, verdict.lane, verdict.shape.tick
+        shape = verdict.shape
+        self.lanes, self.lane, self.tick = shape.lanes, verdict.lane, shape.tick
         if self._quiet_step:  # a plain step of a pool whose records are registered (the full plan came first)
             self.steps[None] += 1
-            if timing is not None and timing.batch.tick % QUIET_LEARN_EVERY == 0:
-                self.source.update(0, 0, timing)  # (the tick's first slot teaches the cost model; the others return)
+            if shape.tick % QUIET_LEARN_EVERY == 0 and timing is not None and not self.source.costs.learned(shape.tick):
+                self.source.update(0, 0, timing)  # (the tick's first slot teaches the cost model)
             return
         for _, record, slots in self.models() if verdict.shape.lanes else ():
             if slots is not None:
