@@ -77,25 +77,31 @@ def _hold(signum: int, frame: object) -> None:
     _held_interrupt = True
 
 
-@contextmanager
-def interruptible() -> Iterator[None]:
+_MAIN = threading.main_thread().ident
+
+
+class interruptible:
     """Around a llama.cpp call, or a wait for the decode thread's: Ctrl-C sets the flag the callbacks read (on any
     thread: the decode thread's abort check too) instead of raising inside one of them, and is raised as
     KeyboardInterrupt when the block ends. Only on the main thread with Python's own handler in place (a server
-    installs its own); elsewhere, and nested, the block neither holds nor raises it."""
-    global _held_interrupt
-    swap = (threading.current_thread() is threading.main_thread()
-            and _signal.getsignal(signal.SIGINT) is signal.default_int_handler)
-    if swap:
-        _signal.signal(signal.SIGINT, _hold)
-    try:
-        yield
-    finally:
-        if swap:
-            _signal.signal(signal.SIGINT, signal.default_int_handler)
-    if swap and _held_interrupt:
-        _held_interrupt = False
-        raise KeyboardInterrupt
+    installs its own); elsewhere, and nested, the block neither holds nor raises it. (A class, not a
+    @contextmanager: a stream enters one for every token.)"""
+
+    __slots__ = ("_swap",)
+
+    def __enter__(self) -> None:
+        self._swap = threading.get_ident() == _MAIN and _signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        if self._swap:
+            _signal.signal(signal.SIGINT, _hold)
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        global _held_interrupt
+        if not self._swap:
+            return
+        _signal.signal(signal.SIGINT, signal.default_int_handler)
+        if _held_interrupt and kind is None:  # (an exception on its way out goes first, as from a try/finally)
+            _held_interrupt = False
+            raise KeyboardInterrupt
 
 
 def interrupt_held() -> bool:
