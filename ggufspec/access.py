@@ -94,7 +94,7 @@ class OwnAccess:
         batch = self.context.batch
         batch.fill_tree(tokens, positions, seq_ids)
         rc = self._run(len(tokens), True)
-        batch.reset_sequences(len(tokens))
+        batch.reset_sequences()
         return rc
         yield  # never reached: a context of its own decodes at once
 
@@ -166,7 +166,8 @@ class SlotAccess:
         sub = Submission(tokens, positions, seq_ids, outputs, hidden, picks, self.seq, lockstep=self.lockstep,
                          runner=self.runner)
         try:
-            yield sub
+            if not self.lockstep.ran_alone(sub):
+                yield sub
         finally:
             self.decode_seconds += sub.seconds
             self.n_decodes += 1

@@ -27,9 +27,14 @@ class Batch:
         for row in self._seq_rows:
             row[0] = 0
         self.n_seq_id[:] = 1
+        # Between fills every slot is in sequence 0 alone: fill_tree writes only the slots it puts elsewhere, listed
+        # here for reset_sequences (a single stream's every token is in sequence 0: four numpy item writes saved)
+        self._moved: list[int] = []
 
     def fill(self, tokens: Sequence[int], start_pos: int, all_logits: bool) -> None:
         """Tokens at consecutive positions in sequence 0; logits for all of them or only the last."""
+        if self._moved:  # (a fill whose decode failed before its reset)
+            self.reset_sequences()
         n = len(tokens)
         if n == 1:  # a decode step: item writes, not numpy slices (a third of the time)
             self.token[0], self.pos[0], self.logits[0] = tokens[0], start_pos, 1
@@ -45,6 +50,8 @@ class Batch:
 
     def fill_tree(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[Sequence[int]]) -> None:
         """Tree tokens: each with its own position and set of sequence ids; logits for all."""
+        if self._moved:  # (a fill whose decode failed before its reset)
+            self.reset_sequences()
         n = len(tokens)
         if n > self.capacity:
             raise ValueError(f"tree of {n} nodes exceeds the batch capacity {self.capacity}")
@@ -55,13 +62,16 @@ class Batch:
             self.pos[:n] = positions
             self.logits[:n] = 1
         for i, ids in enumerate(seq_ids):
-            if len(ids) == 1:  # (item writes)
-                self._seq_rows[i][0], self.n_seq_id[i] = ids[0], 1
+            if len(ids) == 1:
+                if ids[0]:  # (an item write)
+                    self._seq_rows[i][0] = ids[0]
+                    self._moved.append(i)
                 continue
             if len(ids) > self.n_seq_max:
                 raise ValueError(f"node {i} is in {len(ids)} sequences; the context allows {self.n_seq_max}")
             self._seq_rows[i][: len(ids)] = ids
             self.n_seq_id[i] = len(ids)
+            self._moved.append(i)
         self._batch.n_tokens = n
 
     def fill_entries(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[Sequence[int]],
@@ -73,14 +83,12 @@ class Batch:
         else:
             self.logits[: len(tokens)] = outputs
 
-    def reset_sequences(self, n: int) -> None:
-        """Put the first n slots back in sequence 0 only (after a tree batch)."""
-        for row in self._seq_rows[:n]:
-            row[0] = 0
-        if n == 1:
-            self.n_seq_id[0] = 1
-        else:
-            self.n_seq_id[:n] = 1
+    def reset_sequences(self) -> None:
+        """Put the slots the last fill put in other sequences back in sequence 0 alone (after the decode)."""
+        for i in self._moved:
+            self._seq_rows[i][0] = 0
+            self.n_seq_id[i] = 1
+        self._moved.clear()
 
     @property
     def struct(self) -> llama_cpp.llama_batch:

@@ -23,18 +23,18 @@ import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 
 from .micro_batches import micro_shapes
 
 
-@dataclass(frozen=True)
-class BatchShape:
+class BatchShape(NamedTuple):
     """A shared context's batch as llama.cpp ran it: the tokens of each sequence id (`lanes`, pads included) and its
     number among the lockstep's ticks (`tick`: every member's the same, so the batch is learned from once). The
-    empty shape (NO_BATCH) is a context's own, with no other slot in it."""
+    empty shape (NO_BATCH) is a context's own, with no other slot in it. (A NamedTuple: one is made every tick, and
+    a frozen dataclass's making cost several times as much.)"""
 
     lanes: tuple[int, ...] = ()
     tick: int = -1
@@ -183,19 +183,24 @@ class Task:
     def get(self, stop: Callable[[], bool], poll: float = 0.1) -> Any:
         """Its next output (an Ended last); once `stop()` turns true while waiting (checked every `poll` seconds: Ctrl-C
         held for the main thread, llama_log.interrupt_held), it is closed and an Ended comes back."""
+        lockstep = self.lockstep
         if self.lazy:
-            self.wanted = True
-            self.lockstep._wake()
+            self.wanted = True  # (before `threaded` is read: a decode thread started since turns it at once)
+            if lockstep._runner is not None:
+                lockstep._wake()
         while True:
-            threaded = self.lockstep.threaded  # else this thread turns the scheduler
-            try:
-                return self.out.get(timeout=poll) if threaded else self.out.get_nowait()
-            except queue.Empty:
-                if stop():
-                    self.close()
-                    return Ended()
-                if not threaded:
-                    self.lockstep._turn_or_sleep(poll, lambda: not self.out.empty())
+            if lockstep._runner is not None:
+                try:
+                    return self.out.get(timeout=poll)
+                except queue.Empty:
+                    pass
+            elif not self.out.empty():  # else this thread turns the scheduler
+                return self.out.get_nowait()
+            if stop():
+                self.close()
+                return Ended()
+            if lockstep._runner is None and not lockstep.turn_alone(self):
+                lockstep._turn_or_sleep(poll, lambda: not self.out.empty())
 
     def close(self) -> None:
         """Stop the generation at its next item (its coroutine closed on the decode thread: its cleanup runs there,
@@ -360,31 +365,54 @@ class Lockstep:
                 if not (task.wanted or task.closing):
                     continue
                 task.paused = task.wanted = False
-            self._current = task
-            try:
-                if task.closing and task.waiting is None:  # (a lazy task, paused at an output)
+            self._step(task)
+
+    def _step(self, task: Task) -> None:
+        """Run `task` until it waits on a submission, gives an output (and pauses there, lazy), or ends."""
+        self._current = task
+        try:
+            if task.closing and task.waiting is None:  # (a lazy task, paused at an output)
+                task.steps.close()
+                self._end(task, None)
+                return
+            for item in task.steps:
+                if isinstance(item, Submission):
+                    task.waiting = item
+                    self._queue(item.runner, item)
+                    return
+                if task.closing:
                     task.steps.close()
                     self._end(task, None)
-                    continue
-                for item in task.steps:
-                    if isinstance(item, Submission):
-                        task.waiting = item
-                        self._queue(item.runner, item)
-                        break
-                    if task.closing:
-                        task.steps.close()
-                        self._end(task, None)
-                        break
-                    task.put(item)
-                    if task.lazy:
-                        task.paused = True
-                        break
-                else:
-                    self._end(task, None)
-            except BaseException as e:  # the reader raises it
-                self._end(task, e)
+                    return
+                task.put(item)
+                if task.lazy:
+                    task.paused = True
+                    return
+            self._end(task, None)
+        except BaseException as e:  # the reader raises it
+            self._end(task, e)
+        finally:
+            self._current = None
+
+    def _alone(self, task: Task) -> bool:
+        """Whether `task` is all this scheduler runs: no decode thread, member, other task or waiting submission (a
+        single stream's)."""
+        return (self._runner is None and not self._members and not self._inbox and not self._tick.pending
+                and len(self._tasks) == 1 and self._tasks[0] is task)
+
+    def turn_alone(self, task: Task) -> bool:
+        """A lone lazy task's turn (_alone), on the thread that reads it: on to its next output, without a turn's
+        bookkeeping; False (nothing run) where it is not alone, or not paused at an output."""
+        with self.lock:
+            if not (task.paused and task.waiting is None and self._alone(task)):
+                return False
+            task.paused = task.wanted = False
+            self._local.turning = True
+            try:
+                self._step(task)
             finally:
-                self._current = None
+                self._local.turning = False
+        return True
 
     def _end(self, task: Task, error: BaseException | None) -> None:
         self._tasks.remove(task)
@@ -443,6 +471,20 @@ class Lockstep:
         (after _advance, every task but a paused one waits on one)."""
         return self._tick.waiting - sum(not t.paused for t in self._tasks) >= self._members
 
+    def ran_alone(self, sub: Submission) -> bool:
+        """Run `sub` now, as a tick of its own, where the task submitting it is all this scheduler runs (no decode
+        thread, member, other task or waiting submission: a single stream's every decode, which then skips the way
+        up its coroutines and a turn's bookkeeping); else False, and the task yields it to wait for its tick."""
+        task = self._current
+        if task is None or not getattr(self._local, "turning", False) or not self._alone(task):
+            return False
+        try:
+            self._run_batch(sub.runner, [sub])
+            self.n_ticks += 1
+        finally:
+            sub.done = True
+        return True
+
     def _run_tick(self, tick: _Tick) -> None:
         """Run the tick's batches, one per context (drafts first), and mark their submissions done."""
         leading = {k: e for k, e in tick.pending.items() if e[0].leads}
@@ -450,21 +492,25 @@ class Lockstep:
         self._tick = _Tick({k: e for k, e in tick.pending.items() if k not in running})
         try:
             for runner, subs in running.values():
-                t0 = time.perf_counter()
-                shape: tuple[int, ...] = ()  # the whole batch as it ran: per sequence, pads included
-                try:
-                    shape = tuple(runner.run(subs))
-                except Exception:  # the submissions keep rc -1: each member raises its decode's error
-                    pass
-                seconds = time.perf_counter() - t0
-                self.decode_seconds += seconds
-                batch = BatchShape(shape, self.n_ticks)
-                for s in subs:
-                    s.seconds, s.shape = seconds, batch
+                self._run_batch(runner, subs)
             self.n_ticks += 1
         finally:
             for _, subs in running.values():
                 for s in subs:
                     s.done = True
             self._ticked.notify_all()
+
+    def _run_batch(self, runner: Runner, subs: list[Submission]) -> None:
+        """One context's batch of this tick: its submissions' shape and seconds (rc -1 where it failed)."""
+        t0 = time.perf_counter()
+        shape: tuple[int, ...] = ()  # the whole batch as it ran: per sequence, pads included
+        try:
+            shape = tuple(runner.run(subs))
+        except Exception:  # the submissions keep rc -1: each member raises its decode's error
+            pass
+        seconds = time.perf_counter() - t0
+        self.decode_seconds += seconds
+        batch = BatchShape(shape, self.n_ticks)
+        for s in subs:
+            s.seconds, s.shape = seconds, batch
 

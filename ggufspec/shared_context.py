@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from .decoder import LlamaCppDecoder
 
 # a batch's entries: tokens, positions, sequence ids and outputs, one each per token
-Entries = tuple[list[int], list[int], list[Sequence[int]], list[bool]]
+Entries = tuple[Sequence[int], Sequence[int], Sequence[Sequence[int]], Sequence[bool]]
 # the sequences in batch order, each with its submission (None: an idle sequence, padded)
 Order = list[tuple[int, Submission | None]]
 
@@ -41,6 +41,8 @@ class SharedContext:
         self.owner.close()
 
     def run(self, subs: list[Submission]) -> tuple[int, ...]:
+        if len(subs) == 1:
+            return self._run_one(subs[0])
         # by sequence: llama.cpp splits a batch over several streams into micro-batches of consecutive sequence ids
         # (and as many tokens of each), so slots in order share theirs
         subs = sorted(subs, key=lambda s: s.lane)
@@ -66,6 +68,15 @@ class SharedContext:
         if rc == 0:
             self._hand_back(subs, order, ran, n, hidden)
         return ran or tuple(lanes)
+
+    def _run_one(self, sub: Submission) -> tuple[int, ...]:
+        """A batch of one submission (a single stream's every batch): its own entries, no pads."""
+        n = len(sub.tokens)
+        hidden = sub.hidden and self.context.embeddings
+        sub.rc = self._decode((sub.tokens, sub.positions, sub.seq_ids, sub.outputs), hidden)
+        if sub.rc == 0:
+            self._hand_back([sub], [(sub.lane, sub)], None, n, hidden)
+        return (0,) * sub.lane + (n,)
 
     def _padded_lanes(self, subs: list[Submission], lanes: list[int]) -> tuple[int, ...] | None:
         """The tokens each sequence runs, pads included, where padding makes the batch of `lanes` (tokens by sequence)
@@ -109,7 +120,7 @@ class SharedContext:
         # the submissions' seconds include the computation (Context.run synchronizes); no abort check in a batch that
         # other slots' steps may share
         rc = self.context.run(n, hidden, may_abort=self.alone)
-        batch.reset_sequences(n)
+        batch.reset_sequences()
         return rc
 
     def _hand_back(self, subs: list[Submission], order: Order, ran: tuple[int, ...] | None, n: int,
