@@ -346,3 +346,29 @@ def test_default_cache_falls_back_to_f16_where_q8_0_cannot_hold_the_heads(tiny_t
         assert d.feed([1, 2, 3]).shape[0] == 3
     with pytest.raises(GGUFSpecError, match="--kv-type f16"):
         open_decoder(tiny_target, kv_type="q8_0")
+
+
+def test_a_batch_puts_its_tokens_back_in_sequence_0_after_a_tree_and_after_a_fill_that_failed() -> None:
+    """Between fills every slot of a llama_batch is in sequence 0 alone (fill writes no sequence ids, and fill_tree
+    only those it moves): a tree's slots go back after its decode, and so do those of a fill that raised midway."""
+    from ggufspec.llama_batch import Batch
+
+    batch = Batch(4, n_seq_max=2)
+    seqs = batch.struct.seq_id
+
+    def sequences(n: int) -> list[list[int]]:
+        return [[seqs[i][j] for j in range(batch.n_seq_id[i])] for i in range(n)]
+
+    try:
+        batch.fill_entries([5, 6, 7], [0, 1, 1], [[0], [3], [1, 2]], [True, True, True])
+        assert sequences(3) == [[0], [3], [1, 2]]
+        batch.reset_sequences()
+        assert sequences(4) == [[0]] * 4
+        with pytest.raises(ValueError, match="3 sequences"):  # a node in more sequences than the batch holds
+            batch.fill_tree([5, 6], [0, 1], [[2], [0, 1, 2]])
+        batch.fill([8, 9], 4, True)  # a chain in sequence 0: its slots are there again
+        assert sequences(2) == [[0], [0]]
+        batch.fill_tree([5], [0], [[0]])
+        assert sequences(1) == [[0]]
+    finally:
+        batch.close()
