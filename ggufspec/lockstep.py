@@ -241,7 +241,9 @@ class Lockstep:
     The decode thread starts with the first eager task (a pool's slot, which no reader drives) or `start()` (a pool,
     before it measures: every decode on that one thread). Until then the threads that wait on the scheduler turn it
     themselves (`threaded` False: a single stream's reader, which waits for each response anyway, and its cost
-    measurements): the same tasks and ticks, with no hand-over between threads."""
+    measurements): the same tasks and ticks, with no hand-over between threads. A task that is all the scheduler runs
+    (a single stream's) has each submission run at once, as a tick of its own (`ran_alone`: no member or other task
+    could join it), and its reader turns it without a turn's bookkeeping (`turn_alone`)."""
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
@@ -476,7 +478,8 @@ class Lockstep:
         thread, member, other task or waiting submission: a single stream's every decode, which then skips the way
         up its coroutines and a turn's bookkeeping); else False, and the task yields it to wait for its tick."""
         task = self._current
-        if task is None or not getattr(self._local, "turning", False) or not self._alone(task):
+        if (self._runner is not None  # (a pool's decode thread: its first check)
+                or task is None or not self._alone(task) or not getattr(self._local, "turning", False)):
             return False
         try:
             self._run_batch(sub.runner, [sub])
