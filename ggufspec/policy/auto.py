@@ -138,20 +138,17 @@ class AutoPolicy:
         # where every slot added as many tokens to the last batch, every slot's prices are the same: worked out by the
         # tick's first slot, taken by the others; where no model drafts, for REACH_TICKS ticks (the views' prices are
         # then a few ticks old, and what the slots' full steps teach the cost model prices the next plan)
-        pool = self.slot_records
         key = self._plan_key(costs)
-        kept = pool.plans.get(key) if key is not None else None
-        if kept is not None and kept.costs is costs and kept.tick <= self.tick < kept.until:
+        kept = self.slot_records.standing(key, costs, self.tick) if key is not None else None  # (key: a pool's)
+        if kept is not None:
             if kept is not self._tick_plan:  # (the records hold its views from this slot's last step otherwise)
                 self._take(kept)
             return kept.planned  # (read only)
         planned = self._price_shared(costs)
         self._tick_plan = None
         if key is not None:
-            if kept is not None:
-                kept.replaced = True
             views = tuple(r.costs for r in self._records)
-            self._tick_plan = pool.plans[key] = TickPlan(self.tick, planned, views, costs, key, self.lanes)
+            self._tick_plan = self.slot_records.put(TickPlan(self.tick, planned, views, costs, key, self.lanes))
         return planned
 
     def _plan_key(self, costs: CostModel) -> tuple | None:
@@ -165,11 +162,7 @@ class AutoPolicy:
     def _standing(self, n_ctx: int) -> TickPlan | None:
         """The pool's plan that price_at(n_ctx) would take now, where one stands (another slot worked it out)."""
         costs = self.context_costs.at(n_ctx)
-        key = self._plan_key(costs)
-        kept = self.slot_records.plans.get(key) if key is not None else None
-        if kept is None or kept.costs is not costs or not kept.tick <= self.tick < kept.until:
-            return None
-        return kept
+        return self.slot_records.standing(self._plan_key(costs), costs, self.tick)
 
     def _take(self, plan: TickPlan) -> None:
         """Price the next steps as the pool's `plan` does: its views for every record."""

@@ -57,6 +57,19 @@ class SlotRecords:
     contexts: dict[int, ContextCosts] = field(default_factory=dict)  # by id of the measured cost model
     plans: dict[tuple, TickPlan] = field(default_factory=dict)  # AutoPolicy.price_at's, for batches of even lanes
 
+    def standing(self, key: tuple | None, costs: CostModel, tick: int) -> TickPlan | None:
+        """The plan under `key` that prices the steps after batch `tick` at `costs`, where one stands."""
+        plan = self.plans.get(key) if key is not None else None
+        return plan if plan is not None and plan.costs is costs and plan.tick <= tick < plan.until else None
+
+    def put(self, plan: TickPlan) -> TickPlan:
+        """`plan` under its key; the plan it takes the key from is marked replaced (its holders take the new one)."""
+        old = self.plans.get(plan.key)
+        if old is not None:
+            old.replaced = True
+        self.plans[plan.key] = plan
+        return plan
+
     def renew(self) -> None:
         """A slot's record restarted (a generation begins): every plan priced with the old one is priced again."""
         for plan in self.plans.values():
