@@ -15,8 +15,9 @@ from typing import Protocol
 import numpy as np
 
 from .llama_context import Context, opened
-from .lockstep import NO_BATCH, BatchShape, Lockstep, Steps, Submission
+from .lockstep import Lockstep
 from .shared_context import SharedContext
+from .submission import NO_BATCH, BatchShape, Steps, Submission
 
 
 class Access(Protocol):
@@ -38,7 +39,7 @@ class Access(Protocol):
               picks: bool = False) -> Steps[int]:
         """Decode `tokens` at positions start.. of the history's sequence, with rows for every token (all_logits) or
         the last; `hidden`: their hidden states too; `picks`: each row's argmax, where the batch works them out (see
-        picks). A decode coroutine (lockstep.Steps) that returns llama_decode's return code."""
+        picks). A decode coroutine (submission.Steps) that returns llama_decode's return code."""
 
     def tree(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[Sequence[int]]) -> Steps[int]:
         """Decode `tokens`, each at its position in its sequences, with rows and hidden states for all of them (a
@@ -140,7 +141,7 @@ class OwnAccess:
 class SlotAccess:
     """A slot of a shared context (LlamaCppDecoder.slots): its sequences are `seq` (the history) and the span - 1
     after it (its trees' leaves); each decode is its part of the next shared batch, submitted through `lockstep` to
-    `runner`, its rows handed back (lockstep.Submission); every KV edit holds the lockstep's lock (Context.lock)."""
+    `runner`, its rows handed back (submission.Submission); every KV edit holds the lockstep's lock (Context.lock)."""
 
     def __init__(self, runner: SharedContext, lockstep: Lockstep, seq: int, span: int) -> None:
         self.runner: SharedContext | None = runner

@@ -25,7 +25,7 @@ from .access import OwnAccess, SlotAccess
 from .llama_context import Context, default_threads
 from .errors import GGUFSpecError
 from .gguf_check import read_header
-from .lockstep import BatchShape, Lockstep, Steps, run_steps
+from .lockstep import Lockstep
 from .micro_batches import Price
 from .machine_cache import notice
 from .memory import check_memory
@@ -33,6 +33,7 @@ from .model import LlamaModel
 from .recurrent import MemoryKind, memory_kind
 from .sequence import KvSequence, read_only
 from .shared_context import SharedContext
+from .submission import BatchShape, Steps, run_steps
 from .tree_decoding import TreeDecoding
 from .waiting import waiting
 
@@ -49,7 +50,7 @@ class Decoder(Protocol):
     n_decoded_tokens: int
     n_batched_tokens: int  # tokens of the whole batches those decodes ran in (other slots' too, in a shared context)
     # a slot of a shared context: its last decode's whole batch (tokens per sequence id, its tick), and its own
-    # sequence id there; lockstep.NO_BATCH and 0 on a context of its own
+    # sequence id there; submission.NO_BATCH and 0 on a context of its own
     last_batch: BatchShape
     lane: int
     peers: int  # a slot's: the other slots generating in its context now
@@ -68,7 +69,7 @@ class Decoder(Protocol):
         """Keep the first n history tokens and drop the KV entries of the rest (on recurrent memory, tokens its
         snapshots or checkpoints cannot undo are decoded again, by this call or the next feed: see hold)."""
 
-    # feed, sync and rollback_to as decode coroutines (lockstep.Steps), which a pool's tasks run (a decoder whose
+    # feed, sync and rollback_to as decode coroutines (submission.Steps), which a pool's tasks run (a decoder whose
     # decodes never wait on other slots' takes lockstep.DecodeSteps' defaults)
     def feed_steps(self, tokens: Sequence[int], all_logits: bool = True, view: bool = False,
                    picks: bool = False) -> Steps[np.ndarray]: ...

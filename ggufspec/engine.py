@@ -20,7 +20,7 @@ from .medusa.candidates import special_ids
 from .medusa.heads import Heads
 from .mtp import MtpDecoder
 from .opening import Opened, open_slots
-from .lockstep import Ended, Lockstep, Submission, Task
+from .lockstep import Ended, Lockstep, Task
 from .loop import generate_steps
 from .methods import Method, get_method
 from .policy import Policy, TreeSizer
@@ -29,6 +29,7 @@ from .policy.shared import SlotRecords
 from .proposers import PROPOSERS, AnswerPool, Proposer, Setup
 from .pairing import check_pair
 from .stats import Stats
+from .submission import Submission
 from .textstream import TextStream
 from .trees import Tree, build_tree, load_tree
 from .verifier import Verifier
@@ -195,7 +196,7 @@ class SpeculativeEngine:
 
     def steps(self, prompt: Prompt, settings: GenerationSettings | None = None,
               ) -> Iterator[GenerationResponse | Submission]:
-        """stream's responses, and on a pool's slot the submissions its decodes wait on (lockstep.Steps: the pool's
+        """stream's responses, and on a pool's slot the submissions its decodes wait on (submission.Steps: the pool's
         decode thread runs it as a task)."""
         if self._closed:
             raise GGUFSpecError("this engine is closed.")

@@ -1,7 +1,7 @@
 """The generation loop: prefill, then per step a plan, a proposal, one target pass, and what it committed.
 
 Reads like mlx-lm's `speculative_generate_step`; every method is this loop with other proposers and another policy.
-In a pool's slot it also yields each Submission its decodes wait on (lockstep.Steps: the pool's decode thread runs
+In a pool's slot it also yields each Submission its decodes wait on (submission.Steps: the pool's decode thread runs
 every slot's generation so, one batch per tick); on contexts of their own, only verdicts.
 """
 
@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from copy import copy
 
-from .lockstep import Submission
 from .policy import Policy, Timing
 from .proposers import NO_DRAFT, Context, Counters, Proposer
+from .submission import Submission
 from .verifier import Verdict, Verifier
 
 

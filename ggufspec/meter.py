@@ -8,10 +8,10 @@ import time
 from collections.abc import Callable, Iterator
 
 from .decoder import LlamaCppDecoder
-from .lockstep import Submission
 from .mtp import MtpDecoder
 from .policy import Policy
 from .stats import Stats
+from .submission import Submission
 from .verifier import Verdict
 from .waiting import Wait
 

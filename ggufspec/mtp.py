@@ -34,7 +34,8 @@ import numpy as np
 
 from .errors import ContextLengthError, GGUFSpecError
 from .history import common_prefix
-from .lockstep import NO_BATCH, DecodeSteps, Lockstep, LockstepSlot, Steps, Submission, run_steps
+from .lockstep import DecodeSteps, Lockstep, LockstepSlot
+from .submission import NO_BATCH, Steps, Submission, run_steps
 
 if TYPE_CHECKING:
     from .decoder import LlamaCppDecoder
@@ -225,7 +226,7 @@ def _mtp_context(target: LlamaCppDecoder, n_ctx: int, n_batch: int, n_seq: int, 
 
 
 class _Shared:
-    """The MTP context several slots share: runs one tick's submissions as one batch (lockstep.Runner). It leads, as
+    """The MTP context several slots share: runs one tick's submissions as one batch (submission.Runner). It leads, as
     a draft model's context: every slot's draft position in one batch before the target's verification."""
 
     leads = True
@@ -296,7 +297,7 @@ class MtpDecoder(DecodeSteps, LockstepSlot):
         self._own: tuple[int, np.ndarray] | None = None  # (position, the head's row there): the last token it fed
         self.decode_seconds = 0.0
         self.n_decodes = self.n_decoded_tokens = self.n_batched_tokens = 0
-        self.last_batch = NO_BATCH  # a slot's last decode's whole batch (lockstep.BatchShape)
+        self.last_batch = NO_BATCH  # a slot's last decode's whole batch (submission.BatchShape)
 
     @classmethod
     def open(cls, target: LlamaCppDecoder) -> MtpDecoder:
@@ -333,7 +334,7 @@ class MtpDecoder(DecodeSteps, LockstepSlot):
 
     def feed_steps(self, tokens: Sequence[int], all_logits: bool = True, view: bool = False,
                    picks: bool = False) -> Steps[np.ndarray]:
-        """feed as a decode coroutine (lockstep.Steps); its rows' argmax is never worked out with the batch (picks)."""
+        """feed as a decode coroutine (submission.Steps); its rows' argmax is never worked out with the batch (picks)."""
         n = len(tokens)
         if n == 0:
             raise ValueError("feed needs at least one token")

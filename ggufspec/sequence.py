@@ -14,9 +14,10 @@ from .access import Access
 from .llama_context import Context, opened
 from .errors import ContextLengthError, GGUFSpecError
 from .history import common_prefix
-from .lockstep import LockstepSlot, Steps, run_steps
+from .lockstep import LockstepSlot
 from .mtp import HiddenRows
 from .recurrent import Rewind, Rollbacks
+from .submission import Steps, run_steps
 
 if TYPE_CHECKING:
     from .decoder import DecoderOptions
@@ -92,7 +93,7 @@ class KvSequence(LockstepSlot):
 
     # --- decoding -------------------------------------------------------------------------
 
-    # each call that may decode is a decode coroutine (lockstep.Steps: a pool's tasks run them) and a plain call; the
+    # each call that may decode is a decode coroutine (submission.Steps: a pool's tasks run them) and a plain call; the
     # plain calls' views are flagged read-only, the coroutines' (the engine's own reads) not: numpy's argmax took 2.5
     # times as long on a read-only array
     def feed(self, tokens: Sequence[int], all_logits: bool = True, view: bool = False) -> np.ndarray:

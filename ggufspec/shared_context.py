@@ -1,5 +1,5 @@
 """`SharedContext`: the llama.cpp context that a decoder's slots share (LlamaCppDecoder.slots), run as a
-lockstep.Runner: one tick's submissions, every slot's, as ONE batch, each slot's rows handed back to its submission
+submission.Runner: one tick's submissions, every slot's, as ONE batch, each slot's rows handed back to its submission
 (views of llama.cpp's buffer, valid until the context's next batch: no slot decodes again before it has read them,
 as on a context of its own).
 """
@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 
 from .llama_context import Context
 from .errors import GGUFSpecError
-from .lockstep import Submission
 from .micro_batches import Price, even_lanes
+from .submission import Submission
 
 if TYPE_CHECKING:
     from .decoder import LlamaCppDecoder
@@ -24,7 +24,7 @@ Order = list[tuple[int, Submission | None]]
 
 
 class SharedContext:
-    """The context the slots share: runs one tick's submissions as one batch (lockstep.Runner). `owner` opened it:
+    """The context the slots share: runs one tick's submissions as one batch (submission.Runner). `owner` opened it:
     closing the owner frees the context and the model, for every slot (`close`)."""
 
     def __init__(self, context: Context, owner: LlamaCppDecoder, leads: bool = False, alone: bool = False) -> None:

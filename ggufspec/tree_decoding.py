@@ -11,8 +11,8 @@ from typing import Sequence
 import numpy as np
 
 from .errors import ContextLengthError, GGUFSpecError
-from .lockstep import Steps, run_steps
 from .sequence import KvSequence
+from .submission import Steps, run_steps
 
 
 @dataclass
@@ -61,7 +61,7 @@ class TreeDecoding(KvSequence):
         return run_steps(self.tree_logits_steps(tokens, parents))
 
     def tree_logits_steps(self, tokens: Sequence[int], parents: Sequence[int]) -> Steps[np.ndarray]:
-        """tree_logits as a decode coroutine (lockstep.Steps)."""
+        """tree_logits as a decode coroutine (submission.Steps)."""
         self._end_tree()
         pre = self._take_deferred()  # decoded as a chain above the roots
         base = len(self.history)

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from .decoder import Decoder, prefill_steps
-from .lockstep import NO_BATCH, BatchShape, Steps
 from .proposers import Draft
 from .sampling import SamplingParams, argmax, pick, probabilities, sample, suppress
+from .submission import NO_BATCH, BatchShape, Steps
 from .trees import Tree, residual, walk
 
 TYPICAL_THRESHOLD = 0.09  # Medusa's posterior_threshold (epsilon)
@@ -128,7 +128,7 @@ class Verifier:
         """Decode `prompt` into the target's cache, reusing its common prefix with what the cache holds (its last
         token decoded again where all of it is there), and pick the first token from its last row: the prompt's own
         batch, as llama-server's, so a pool's request starts a tick earlier than with a pass of its own. A decode
-        coroutine (lockstep.Steps: run_steps runs it in the calling thread)."""
+        coroutine (submission.Steps: run_steps runs it in the calling thread)."""
         t = self.target
         seconds, decoded, batched = t.decode_seconds, t.n_decoded_tokens, t.n_batched_tokens
         hidden = None

@@ -12,7 +12,7 @@ import pytest
 import ggufspec.costs.cache as costs_module  # where cached_measure looks up measure() and machine()
 from ggufspec.costs import ContextCosts, CostModel, SharedBatch, measure
 from ggufspec.decoder import SLOT_CHUNK
-from ggufspec.lockstep import NO_BATCH, BatchShape
+from ggufspec.submission import NO_BATCH, BatchShape
 from ggufspec.micro_batches import even_lanes, micro_batches, micro_shapes
 from ggufspec.policy import PLAIN, Plan, Timing
 from ggufspec.policy.adaptive import (MIN_GAIN, PHRASE_MATCH, PROBE_EVERY, PROBE_GAIN, SHARED_GAIN,

@@ -14,7 +14,8 @@ import pytest
 from scipy.stats import chisquare
 
 from conftest import open_decoder
-from ggufspec.lockstep import NO_BATCH, DecodeSteps
+from ggufspec.submission import NO_BATCH
+from ggufspec.lockstep import DecodeSteps
 from ggufspec.proposers import Context
 from ggufspec.proposers.draft_model import DraftModelProposer
 from ggufspec.trees import build_tree, walk

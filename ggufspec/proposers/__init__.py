@@ -18,7 +18,7 @@ from ..trees import Tree
 
 if TYPE_CHECKING:
     from ..decoder import Decoder
-    from ..lockstep import Steps
+    from ..submission import Steps
     from ..medusa.heads import Heads
 
 
@@ -86,7 +86,7 @@ class Counters:
     decodes: int = 0  # a draft model's batches...
     decoded: int = 0  # ...and the tokens in them (a catch-up on unseen context is one batch of many)
     batched: int = 0  # the tokens of the whole batches they ran in (other slots' too, in a pool's shared context)
-    tick: int = -1  # in a pool's shared context, the number of the last batch it decoded in (lockstep.BatchShape.tick)
+    tick: int = -1  # in a pool's shared context, the number of the last batch it decoded in (submission.BatchShape.tick)
 
 
 class Proposer(Protocol):
@@ -104,7 +104,7 @@ class Proposer(Protocol):
     def accept(self, n_kept: int) -> None:
         """The target kept the first n_kept tokens of the last proposal."""
 
-    # begin and propose as decode coroutines (lockstep.Steps), which a pool's generations run: a proposer that decodes
+    # begin and propose as decode coroutines (submission.Steps), which a pool's generations run: a proposer that decodes
     # nothing takes PlainSteps' (the plain calls)
     def begin_steps(self, prompt: list[int], warm: bool) -> Steps[None]: ...
 

@@ -7,8 +7,8 @@ import numpy as np
 from ..decoder import Decoder, prefill_steps
 from ..history import common_prefix
 from ..sampling import SamplingParams, probabilities, sample, softmax, suppress
+from ..submission import Steps, run_steps
 from ..trees import ordered_tree
-from ..lockstep import Steps, run_steps
 from . import NO_DRAFT, Context, Counters, Draft
 
 # A draft tree follows the draft's best guesses while the draft itself gives the whole chain at least this chance,

@@ -7,7 +7,7 @@ comes with the head's distribution as q, and the verifier's rejection sampling k
 
 from __future__ import annotations
 
-from ..lockstep import Steps
+from ..submission import Steps
 from .draft_model import DraftModelProposer
 
 
