@@ -7,8 +7,11 @@ detokenizing and bookkeeping: the engine's share. It prints the distribution (p5
 share of generation time.
 
 With --parallel N, it runs N slots of an EnginePool instead, N prompts at a time (`stream_many`, 2N prompts a
-method and temperature), and reports the engine's share of the pool's time: the wall time less every tick's decode
-time (lockstep.Lockstep.decode_seconds), which is the slots' Python steps between ticks and the last ones' tails.
+method and temperature a round; --rounds R rounds, the methods in turn), and reports the engine's share of the pool's
+time: the wall time less every tick's decode time (lockstep.Lockstep.decode_seconds), which is the slots' Python
+steps between ticks and the last ones' tails. Ratios of methods are steadiest from one process's rounds:
+
+    python scripts/bench_overhead.py --tiny /tmp/ov --parallel 8 --methods autoregressive,auto --temps 0 --rounds 6
 
 With --llama-server, the same model runs in llama.cpp's own loop (its server, one slot, the same thread count and
 KV types) at the same temperatures: its time per token against ggufspec's, and against the decode time alone.
@@ -111,7 +114,9 @@ def llama_server_row(binary: str, target: Path, draft: Path | None, spec: str, t
 
 
 def pool_share(a: argparse.Namespace, temps: list[float], out) -> None:
-    """--parallel: per method and temperature, 2N prompts through N slots; the engine's share of the wall time."""
+    """--parallel: per temperature, 2N prompts through N slots a round, the methods in turn (in reverse every other
+    round: a drift of the machine's speed weighs on each alike); per method, the totals over `--rounds` rounds and
+    the engine's share of the wall time."""
     from ggufspec.decoder import DecoderOptions
     from ggufspec.engine import GenerationSettings
     from ggufspec.pool import EnginePool
@@ -119,18 +124,29 @@ def pool_share(a: argparse.Namespace, temps: list[float], out) -> None:
 
     n = a.parallel
     texts = prompts(2 * n, start=a.prompts)  # after the warm-up's
+    methods = a.methods.split(",")
     options = DecoderOptions(n_ctx=4096 * n, n_threads=a.threads, n_gpu_layers=a.n_gpu_layers)
     with EnginePool.load(a.target, a.draft, options, parallel=n) as pool:
-        for method in a.methods.split(","):
-            for temp in temps:
-                s = GenerationSettings(max_tokens=a.n, method=method, sampling=SamplingParams(temp), seed=0)
-                for _ in pool.stream_many(prompts(n), s):  # warm-up (and auto's cost model)
+        lock = pool.lockstep
+        for temp in temps:
+            settings = {m: GenerationSettings(max_tokens=a.n, method=m, sampling=SamplingParams(temp), seed=0)
+                        for m in methods}
+            totals = {m: [0, 0.0, 0.0, 0] for m in methods}  # tokens, wall, decode seconds, ticks
+            for m in methods:
+                for _ in pool.stream_many(prompts(n), settings[m]):  # warm-up (and auto's cost model)
                     pass
-                lock = pool.lockstep
-                t0, dec0, ticks0 = time.perf_counter(), lock.decode_seconds, lock.n_ticks
-                tokens = sum(r.token is not None for _, r in pool.stream_many(texts, s) if not isinstance(r, Exception))
-                wall, dec, ticks = time.perf_counter() - t0, lock.decode_seconds - dec0, lock.n_ticks - ticks0
-                emit({"engine": "ggufspec", "parallel": n, "method": method, "temperature": temp,
+            for r in range(a.rounds):
+                for m in methods if r % 2 == 0 else methods[::-1]:
+                    t0, dec0, ticks0 = time.perf_counter(), lock.decode_seconds, lock.n_ticks
+                    tokens = sum(x.token is not None for _, x in pool.stream_many(texts, settings[m])
+                                 if not isinstance(x, Exception))
+                    t = totals[m]
+                    t[0] += tokens
+                    t[1] += time.perf_counter() - t0
+                    t[2] += lock.decode_seconds - dec0
+                    t[3] += lock.n_ticks - ticks0
+            for m, (tokens, wall, dec, ticks) in totals.items():
+                emit({"engine": "ggufspec", "parallel": n, "method": m, "temperature": temp, "rounds": a.rounds,
                       "prompts": len(texts), "tokens": tokens, "ticks": ticks, "tok_s": round(tokens / wall, 1),
                       "engine_us_per_tick": round((wall - dec) / ticks * 1e6, 1),
                       "engine_share": round((wall - dec) / wall, 4)}, out)
@@ -148,6 +164,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers on the GPU, both models (-1: all)")
     ap.add_argument("--parallel", type=int, default=0, help="N slots of an EnginePool, N prompts at a time")
+    ap.add_argument("--rounds", type=int, default=1, help="--parallel: rounds of 2N prompts, the methods in turn")
     ap.add_argument("--llama-server", help="llama-server built from the same llama.cpp source and flags")
     ap.add_argument("-o", "--out", type=Path)
     a = ap.parse_args()
