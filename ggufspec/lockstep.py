@@ -163,8 +163,8 @@ class Lockstep:
     before it measures: every decode on that one thread). Until then the threads that wait on the scheduler turn it
     themselves (`threaded` False: a single stream's reader, which waits for each response anyway, and its cost
     measurements): the same tasks and ticks, with no hand-over between threads. A task that is all the scheduler runs
-    (a single stream's) has each submission run at once, as a tick of its own (`ran_alone`: no member or other task
-    could join it), and its reader turns it without a turn's bookkeeping (`turn_alone`)."""
+    (a single stream's) has each submission run at once, as a tick of its own (no member or other task could join
+    it), and its reader turns it without a turn's bookkeeping (`turn_alone`)."""
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
@@ -300,6 +300,9 @@ class Lockstep:
                 return
             for item in task.steps:
                 if isinstance(item, Submission):
+                    if self._runner is None and self._alone(task):
+                        self._run_alone(item)  # nothing could join its tick (a single stream's): it runs now
+                        continue
                     task.waiting = item
                     self._queue(item.runner, item)
                     return
@@ -394,21 +397,6 @@ class Lockstep:
         (after _advance, every task but a paused one waits on one)."""
         return self._tick.waiting - sum(not t.paused for t in self._tasks) >= self._members
 
-    def ran_alone(self, sub: Submission) -> bool:
-        """Run `sub` now, as a tick of its own, where the task submitting it is all this scheduler runs (no decode
-        thread, member, other task or waiting submission: a single stream's every decode, which then skips the way
-        up its coroutines and a turn's bookkeeping); else False, and the task yields it to wait for its tick."""
-        task = self._current
-        if (self._runner is not None  # (a pool's decode thread: its first check)
-                or task is None or not self._alone(task) or not getattr(self._local, "turning", False)):
-            return False
-        try:
-            self._run_batch(sub.runner, [sub])
-            self.n_ticks += 1
-        finally:
-            sub.done = True
-        return True
-
     def _run_tick(self, tick: _Tick) -> None:
         """Run the tick's batches, one per context (drafts first), and mark their submissions done."""
         leading = {k: e for k, e in tick.pending.items() if e[0].leads}
@@ -423,6 +411,14 @@ class Lockstep:
                 for s in subs:
                     s.done = True
             self._ticked.notify_all()
+
+    def _run_alone(self, sub: Submission) -> None:
+        """A lone task's submission, as a tick of its own (_alone: no member waits on it)."""
+        try:
+            self._run_batch(sub.runner, [sub])
+            self.n_ticks += 1
+        finally:
+            sub.done = True
 
     def _run_batch(self, runner: Runner, subs: list[Submission]) -> None:
         """One context's batch of this tick: its submissions' shape and seconds (rc -1 where it failed)."""

@@ -369,8 +369,7 @@ class MtpDecoder(DecodeSteps, LockstepSlot):
         if self._runner is not None:
             sub = Submission(tokens, positions, [[self._seq]] * n, outputs, lane=self._seq, embd=rows,
                              lockstep=self._lockstep, runner=self._runner)
-            if not self._lockstep.ran_alone(sub):
-                yield sub
+            yield sub
             self.decode_seconds += sub.seconds
             self.n_batched_tokens += sub.shape.tokens
             self.last_batch, rc = sub.shape, sub.rc

@@ -97,6 +97,3 @@ class Scheduler(Protocol):
 
     def submit(self, runner: Runner, sub: Submission) -> Submission:
         """Queue `sub` for `runner`'s next batch and wait until it has run (a member thread's decode)."""
-
-    def ran_alone(self, sub: Submission) -> bool:
-        """Run `sub` now where its task is all the scheduler runs; else False (the task yields it)."""
