@@ -112,13 +112,16 @@ class SafetensorsFile:
         """
         dtype, shape, begin, end = self.entries[name]
         npdt = _ST_DTYPES[dtype]
+        arr = np.empty((end - begin) // npdt.itemsize, dtype=npdt)
         try:
             with open(self.path, "rb") as f:
                 f.seek(self._data_start + begin)
-                arr = np.fromfile(f, dtype=npdt, count=(end - begin) // npdt.itemsize)
+                # readinto, not np.fromfile: SIGTERM/SIGHUP's exception (outputs.py), raised while numpy duplicated the
+                # file's descriptor, came out of fromfile as a TypeError, and the process exited 1 instead of 128 + n
+                got = f.readinto(memoryview(arr).cast("B"))
         except OSError as e:
             raise ModelFileError(f"{self.path}: cannot read tensor {name!r} ({e.strerror or e})") from e
-        if arr.size * npdt.itemsize != end - begin:
+        if got != end - begin:
             raise ModelFileError(f"{self.path}: tensor {name!r} is truncated; re-download the file")
         arr = arr.reshape(shape)
         return bf16_to_f32(arr) if dtype == "BF16" else arr
