@@ -487,6 +487,46 @@ def test_a_pool_where_nothing_pays_steps_plain_unpriced_until_its_plan_is_due(ti
     assert all(len(set(plans[t - 1])) == 1 and plans[t - 1][0].source == "draft" for t in drafting)  # all at once
 
 
+def test_a_slot_s_quiet_run_counts_its_steps_as_asking_each_one_would(tiny_draft, monkeypatch) -> None:
+    """After a quiet step, a slot's next steps are not asked of the pool's plan while it stands for the same batch:
+    what each would count (a plain step, a probe falling due deferred where the plan says none would pay) is counted
+    when the run ends. Probes fall due on the same ticks as where every step is asked: 4 slots on `auto` beside 4
+    plain ones (priced at the record's own acceptance), first where no probe would pay, then (the batches cheaper)
+    where probes pay and back off."""
+
+    def drafting(quiet_runs: bool) -> tuple[list[int], list[tuple]]:
+        if not quiet_runs:
+            monkeypatch.setattr(AutoPolicy, "_quiet_run", lambda self, plan, n_ctx: None)
+        pool = replace(XEON_POOL, slots=8, slot_verify=[0.232, 0.30, 0.36], draft_sizes=[8], draft_batches=[0.0392])
+        records, context = SlotRecords(), [1, 17, 29, 301]
+        ticks = []
+        with open_decoder(tiny_draft) as d:
+            slots = [AutoPolicy(pool, 4, model=True, slot_records=records, peers=lambda: 7) for _ in range(4)]
+            proposers = [begin(auto, LookupProposer(d.n_vocab), DraftModelProposer(d, d.n_vocab, SamplingParams(),
+                                                                                    None), context) for auto in slots]
+            for auto in slots:
+                auto.model_length.acceptance = [0.3] * 4
+            for tick in range(1, 4 * REACH_TICKS):
+                if tick == REACH_TICKS + 50:  # probes pay from the next plan on (drafts kept 30% still do not)
+                    pool.slot_verify[1:] = [0.26, 0.29]
+                    pool.forget_prices()
+                for lane, (auto, props) in enumerate(zip(slots, proposers)):
+                    plan, draft = step(auto, props, context, 4, room=500)
+                    ticks += [tick] * bool(plan.source)
+                    verdict = Verdict([0], len(draft.tokens), 0.0, len(draft.tokens) + 1, 0,
+                                      shape=BatchShape((1,) * 8, tick), lane=lane)
+                    auto.observe(plan, draft, verdict, None)
+                d.reset()
+            monkeypatch.undo()
+            return ticks, [(auto.decision(), auto.steps, auto.unsearched) for auto in slots]
+
+    ran, asked = drafting(True), drafting(False)
+    assert ran == asked
+    probes = sorted(set(ran[0]))
+    assert len(ran[0]) == 4 * len(probes) and len(probes) >= 3, probes  # every slot probes in the same tick
+    assert 2 * REACH_TICKS < probes[0] and probes[1] - probes[0] < probes[2] - probes[1], probes  # backing off
+
+
 def test_a_pool_s_steps_are_priced_by_their_shape_as_measured_together() -> None:
     """llama.cpp computes 8 sequences' tokens with other kernels than one sequence's 8 (on the AMX Xeon 232 ms
     against 353): a micro-batch of every slot's 1 to 3 tokens is priced as measured together, of fewer slots'

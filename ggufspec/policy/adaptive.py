@@ -105,6 +105,21 @@ class AdaptiveLength:
         self._probing = False
         return True
 
+    def rests_for(self) -> int:
+        """How many rest() calls from now would each count a plain step before a probe is due."""
+        return max(0, self.probe_every - 1 - self._off_steps)
+
+    def rested(self, n: int, deferring: bool = False) -> None:
+        """n plain steps counted at once, as n rest() calls would count them (n <= rests_for()); `deferring`, any
+        number of them, each probe falling due among them deferred (defer()) instead of made."""
+        self._probing = False
+        if deferring:  # probe_every - 1 rests, then a deferral (from 0 again), and so on
+            self._off_steps = (self._off_steps + n) % self.probe_every
+        elif n > self.rests_for():
+            raise ValueError(f"{n} steps rested, where a probe is due after {self.rests_for()}")
+        else:
+            self._off_steps += n
+
     def worth_probing(self) -> bool:
         """Whether drafts kept OPTIMISTIC of the time would beat plain steps by PROBE_GAIN at these prices."""
         k = self.costs.best_k(OPTIMISTIC, self.k_max, free=self.free)

@@ -94,6 +94,10 @@ class AutoPolicy:
         self._tick_plan: TickPlan | None = None  # the pool's plan the last price_at took (None: priced its own)
         self._last_ctx = 0  # the longest context priced by the same cost model as the last price_at's
         self._quiet_step = False  # the step planned is a quiet one (_quiet)
+        # quiet steps that may follow the last one _quiet found without asking it again, and those of them granted
+        # (_quiet_run): what they count goes to the records and counters at once (_settle)
+        self._quiet_left = self._quiet_granted = 0
+        self._deferring = False  # the quiet run defers the probes falling due in it
 
     @property
     def k_cap(self) -> int:
@@ -207,6 +211,7 @@ class AutoPolicy:
         expected to draft (often never on CPUs), priced beside the `peers` generating now, each taken to add one
         token a batch: a slot joining a busy pool on a CPU rarely drafts, and the draft's prefill (a tick that
         every slot waits for) would be lost."""
+        self._settle()
         self.lookup, self.model, self.mtp = proposers["lookup"], proposers.get("draft"), proposers.get("mtp")
         if self.sizer is not None:
             check_tree(self.sizer, proposers)
@@ -236,6 +241,11 @@ class AutoPolicy:
         return self.model if name == "draft" else self.mtp
 
     def plan(self, context: Context, room: int, deferred: int) -> Plan:
+        now = self._tick_plan  # a quiet run goes on while the pool's plan stands for this batch (_quiet_run)
+        if self._quiet_left and not now.replaced and self.tick < now.until and self.lanes == now.lanes:
+            self._quiet_left -= 1
+            return PLAIN
+        self._settle()
         # (Medusa's steps are planned in full: its sizer plans a tree every step)
         self._quiet_step = self.slot_records is not None and self.sizer is None and self._quiet(len(context))
         if self._quiet_step:
@@ -315,7 +325,32 @@ class AutoPolicy:
         self.source = self._quiet_source
         self._proposed = None
         self.unsearched += 1
+        self.steps[None] += 1
+        self._quiet_run(now, n_ctx)
         return True
+
+    def _quiet_run(self, plan: TickPlan, n_ctx: int) -> None:
+        """After a quiet step: how many steps after it are quiet too while the pool's `plan` stands for the same batch
+        (plan() checks that each step): up to the longest context its cost model prices (each plain step commits one
+        token), and to the next probe due, unless the plan says a lone drafting model's probes would not pay (each
+        falling due is then deferred, as _quiet defers it). Those steps are counted when the run ends (_settle)."""
+        records = self._model_records
+        self._deferring = len(records) == 1 and not plan.worth_probing(records[0])
+        run = self._last_ctx - n_ctx
+        if not self._deferring:
+            run = min(run, *(r.rests_for() for r in records))
+        self._quiet_left = self._quiet_granted = max(0, run)
+
+    def _settle(self) -> None:
+        """The quiet run's steps taken (plan), counted as _quiet counts each: its records rested, a plain step that
+        searched nothing."""
+        taken = self._quiet_granted - self._quiet_left
+        if taken:
+            for record in self._model_records:
+                record.rested(taken, self._deferring)
+            self.steps[None] += taken
+            self.unsearched += taken
+        self._quiet_left = self._quiet_granted = 0
 
     def _lookup_may_pay(self) -> bool:
         """Whether any lookup guess could pay in the batch priced: where even one of the longest kept whole would not
@@ -368,7 +403,6 @@ class AutoPolicy:
         shape = verdict.shape
         self.lanes, self.lane, self.tick = shape.lanes, verdict.lane, shape.tick
         if self._quiet_step:  # a plain step of a pool whose records are registered (the full plan came first)
-            self.steps[None] += 1
             if shape.tick % QUIET_LEARN_EVERY == 0 and timing is not None and not self.source.costs.learned(shape.tick):
                 self.source.update(0, 0, timing)  # (the tick's first slot teaches the cost model)
             return
@@ -391,6 +425,7 @@ class AutoPolicy:
         """What this generation drafted from, and why nothing, or why the draft model stayed off, at the costs of the
         last context: "speculation off: a 5-token batch costs 3.6 decodes here and a draft token 0.95: even drafts
         kept 90% of the time would not pay". For the stats line and --json."""
+        self._settle()
         drafted = {s: n for s, n in self.steps.items() if s is not None}
         parts = []
         if drafted:
