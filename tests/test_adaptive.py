@@ -527,6 +527,55 @@ def test_a_slot_s_quiet_run_counts_its_steps_as_asking_each_one_would(tiny_draft
     assert 2 * REACH_TICKS < probes[0] and probes[1] - probes[0] < probes[2] - probes[1], probes  # backing off
 
 
+def test_a_pool_s_plan_stands_through_a_slot_s_uneven_step_and_a_generation_joining(tiny_draft) -> None:
+    """The pool's plan prices each other busy slot as stepping next, whatever it added last: one slot's lookup guess
+    in a batch (uneven lanes) leaves it standing for every slot, and a generation joining the busy slots takes it
+    at its start and first step; priced again only where a record's restart moved it (a slot that drafted)."""
+    pool = replace(XEON_POOL, slots=8, slot_verify=[0.232, 0.30, 0.36], draft_sizes=[8], draft_batches=[0.0392])
+    priced: list[int] = []  # the tick of every batch price worked out
+    padded = pool.padded_seconds
+    tick = 0
+
+    def counted(*args, **kwargs):
+        priced.append(tick)
+        return padded(*args, **kwargs)
+
+    pool.padded_seconds = counted
+    records, context = SlotRecords(), [1, 17, 29, 301]
+    with open_decoder(tiny_draft) as d:
+        slots = [AutoPolicy(pool, 4, model=True, slot_records=records, peers=lambda: 7) for _ in range(8)]
+        proposers = [begin(auto, LookupProposer(d.n_vocab), DraftModelProposer(d, d.n_vocab, SamplingParams(), None),
+                           context) for auto in slots]
+
+        def run(ticks: range, lanes: tuple[int, ...] = (1,) * 8) -> list[Plan]:
+            nonlocal tick
+            plans = []
+            for tick in ticks:
+                for lane, (auto, props) in enumerate(zip(slots, proposers)):
+                    plan, draft = step(auto, props, context, 4, room=500)
+                    plans.append(plan)
+                    verdict = Verdict([0], len(draft.tokens), 0.0, len(draft.tokens) + 1, 0,
+                                      shape=BatchShape(lanes, tick), lane=lane)
+                    auto.observe(plan, draft, verdict, None)
+            return plans
+
+        run(range(1, 5))
+        assert priced and max(priced) <= 2  # the first ticks' plans, then none
+        priced.clear()
+        run(range(5, 6), lanes=(1, 1, 5, 1, 1, 1, 1, 1))  # slot 2's 4-token guess rode in tick 5
+        assert not any(p.source for p in run(range(6, 20))) and not priced
+        for moved in (False, True):  # slot 3's next generation, its record at the prior, then after drafting
+            record = slots[3].model_length
+            record.acceptance = [0.2 if moved else record.prior] * 4  # (a restart moves it halfway back to the prior)
+            assert slots[3].begin(context, proposers[3]) == set()  # (the draft model not prefilled)
+            assert bool(priced) == moved  # its start priced only where the restart renewed the pool's plans
+            priced.clear()
+            start = 20 + 10 * moved
+            assert not any(p.source for p in run(range(start, start + 10)))
+            assert sorted(set(priced)) == ([start] if moved else [])  # then the next tick's, once
+            priced.clear()
+
+
 def test_a_pool_s_steps_are_priced_by_their_shape_as_measured_together() -> None:
     """llama.cpp computes 8 sequences' tokens with other kernels than one sequence's 8 (on the AMX Xeon 232 ms
     against 353): a micro-batch of every slot's 1 to 3 tokens is priced as measured together, of fewer slots'

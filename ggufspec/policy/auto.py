@@ -28,6 +28,9 @@ PROBE_CATCH_UP_SHARE = 0.1
 # this many (its first slot's step): the prices learned meanwhile price only the next plan, and learning from every
 # tick cost a pool of 8 quiet slots as much as their planning (docs/methods.md#measured-constants: QUIET_LEARN_EVERY)
 QUIET_LEARN_EVERY = 32
+# A generation's start moves its drafting records' acceptance halfway back to the prior: where that moves none by more
+# than this, the pool's plans (priced by every slot's records) stand; else each is priced again (SlotRecords.renew).
+MOVED = 1e-3
 MTP_MEMORY = 0.8  # the MTP head's record: each judged guess moves it 20% of the way (other records: 5%)
 SOURCE_NAMES = {"draft": "draft model", "lookup": "lookup", "medusa": "Medusa tree", "mtp": "MTP head"}  # decision()
 MODEL_NAMES = {"draft": "the draft model", "mtp": "the MTP head"}  # the drafting models, as decision() says them
@@ -98,6 +101,7 @@ class AutoPolicy:
         # (_quiet_run): what they count goes to the records and counters at once (_settle)
         self._quiet_left = self._quiet_granted = 0
         self._deferring = False  # the quiet run defers the probes falling due in it
+        self._run_lanes: tuple[int, ...] = ()  # the batch after which the run began: it goes on after such batches
 
     @property
     def k_cap(self) -> int:
@@ -139,10 +143,11 @@ class AutoPolicy:
             for length in self._records:
                 length.costs = self._prices(length, costs)
             return None
-        # where every slot added as many tokens to the last batch, every slot's prices are the same: worked out by the
-        # tick's first slot, taken by the others; where no model drafts, for REACH_TICKS ticks (the views' prices are
-        # then a few ticks old, and what the slots' full steps teach the cost model prices the next plan)
-        key = self._plan_key(costs)
+        # where no other slot's prompt goes on beside, each other busy slot is priced as stepping next, so every slot
+        # (where some are idle, every slot in the same place) prices the same: worked out by the tick's first slot,
+        # taken by the others; where no model drafts, for REACH_TICKS ticks (the views' prices are then a few ticks
+        # old, and what the slots' full steps teach the cost model prices the next plan)
+        key = self._plan_key(costs) if self.tick >= 0 else None
         kept = self.slot_records.standing(key, costs, self.tick) if key is not None else None  # (key: a pool's)
         if kept is not None:
             if kept is not self._tick_plan:  # (the records hold its views from this slot's last step otherwise)
@@ -156,17 +161,37 @@ class AutoPolicy:
         return planned
 
     def _plan_key(self, costs: CostModel) -> tuple | None:
-        """The key of the pool's plan for a batch like the last one, at `costs`; None where no pool's plan serves it
-        (no pool, no batch yet, a batch of its own, or slots that added unequal tokens)."""
+        """The key of the pool's plan for a batch like the last one, at `costs`: what _price_shared's prices depend on
+        (which sequences are busy, and where some are idle, which one this slot is: each other busy slot is priced
+        as stepping next, whatever it added last); None where no pool's plan serves it (no pool, a batch of its own,
+        or another slot's prompt going on beside, priced from each slot's place)."""
         lanes = self.lanes
-        if self.slot_records is None or self.tick < 0 or len(lanes) < 2 or lanes.count(lanes[0]) != len(lanes):
+        if self.slot_records is None or len(lanes) < 2:
             return None
-        return (id(costs), len(lanes), lanes[0], self.k_max, self._model_names)
+        if max(lanes) >= SLOT_CHUNK and any(n >= SLOT_CHUNK for i, n in enumerate(lanes) if i != self.lane):
+            return None
+        idle = (tuple(map(bool, lanes)), self.lane) if 0 in lanes else len(lanes)
+        return (id(costs), idle, self.k_max, self._model_names)
 
     def _standing(self, n_ctx: int) -> TickPlan | None:
         """The pool's plan that price_at(n_ctx) would take now, where one stands (another slot worked it out)."""
         costs = self.context_costs.at(n_ctx)
         return self.slot_records.standing(self._plan_key(costs), costs, self.tick)
+
+    def _join(self, n_ctx: int) -> bool:
+        """Where this generation joins busy slots whose pool's plan prices every slot busy (and still stands: no
+        record restarted since, SlotRecords.renew), take it as of the batch it was worked out after: begin's prices,
+        and its first step's (the next batch's number tells whether it stood that long). Whether it did."""
+        if self.slot_records is None or not self.peers:
+            return False
+        costs = self.context_costs.at(n_ctx)
+        plan = self.slot_records.plans.get(self._plan_key(costs))
+        if plan is None or plan.costs is not costs:
+            return False
+        self.tick = plan.tick
+        self._take(plan)
+        self._last_ctx = self.context_costs.last_at(n_ctx)
+        return True
 
     def _take(self, plan: TickPlan) -> None:
         """Price the next steps as the pool's `plan` does: its views for every record."""
@@ -215,9 +240,13 @@ class AutoPolicy:
         self.lookup, self.model, self.mtp = proposers["lookup"], proposers.get("draft"), proposers.get("mtp")
         if self.sizer is not None:
             check_tree(self.sizer, proposers)
+        moved = False
         for length in self._records:
+            before = length.acceptance
             length.restart()
-        if self.slot_records is not None:
+            if length in self._model_records:
+                moved |= max(abs(a - b) for a, b in zip(before, length.acceptance)) > MOVED
+        if self.slot_records is not None and moved:  # (the pool's plans price every slot's drafting record)
             self.slot_records.renew()
         self._unverified.clear()
         self.source = self._proposed = None
@@ -227,7 +256,8 @@ class AutoPolicy:
         self.lanes, self.lane = ((1,) * (1 + self.peers), 0) if self.peers else ((), 0)
         self.tick = -1
         self._tick_plan = None
-        self.price_at(len(prompt) + 1)
+        if not self._join(len(prompt) + 1):
+            self.price_at(len(prompt) + 1)
         return {name for name, record, _ in self.models() if self._proposer(name) is not None and record.planned() > 0}
 
     def uses_model(self, n_ctx: int | None = None) -> bool:
@@ -242,7 +272,7 @@ class AutoPolicy:
 
     def plan(self, context: Context, room: int, deferred: int) -> Plan:
         now = self._tick_plan  # a quiet run goes on while the pool's plan stands for this batch (_quiet_run)
-        if self._quiet_left and not now.replaced and self.tick < now.until and self.lanes == now.lanes:
+        if self._quiet_left and not now.replaced and self.tick < now.until and self.lanes == self._run_lanes:
             self._quiet_left -= 1
             return PLAIN
         self._settle()
@@ -340,6 +370,7 @@ class AutoPolicy:
         if not self._deferring:
             run = min(run, *(r.rests_for() for r in records))
         self._quiet_left = self._quiet_granted = max(0, run)
+        self._run_lanes = self.lanes  # (the batch the plan's key was found for)
 
     def _settle(self) -> None:
         """The quiet run's steps taken (plan), counted as _quiet counts each: its records rested, a plain step that

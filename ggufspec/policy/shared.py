@@ -16,7 +16,8 @@ REACH_TICKS = 128
 
 @dataclass
 class TickPlan:
-    """AutoPolicy.price_at's answer for a batch whose slots all added as many tokens, which every slot takes."""
+    """AutoPolicy.price_at's answer for a batch with no other slot's prompt going on beside, which every slot whose
+    batch has its key takes (AutoPolicy._plan_key)."""
 
     tick: int  # the batch it was worked out after
     planned: dict[str, int] | None  # each drafting model's length (None: a prompt's chunk goes on beside)
@@ -55,7 +56,7 @@ class SlotRecords:
     draft: dict[int, AdaptiveLength] = field(default_factory=dict)  # the draft model's
     mtp: dict[int, AdaptiveLength] = field(default_factory=dict)  # the MTP heads'
     contexts: dict[int, ContextCosts] = field(default_factory=dict)  # by id of the measured cost model
-    plans: dict[tuple, TickPlan] = field(default_factory=dict)  # AutoPolicy.price_at's, for batches of even lanes
+    plans: dict[tuple, TickPlan] = field(default_factory=dict)  # AutoPolicy.price_at's, by _plan_key
 
     def standing(self, key: tuple | None, costs: CostModel, tick: int) -> TickPlan | None:
         """The plan under `key` that prices the steps after batch `tick` at `costs`, where one stands."""
