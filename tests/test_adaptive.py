@@ -18,7 +18,7 @@ from ggufspec.policy import PLAIN, Plan, Timing
 from ggufspec.policy.adaptive import (MIN_GAIN, PHRASE_MATCH, PROBE_EVERY, PROBE_GAIN, SHARED_GAIN,
                                       AdaptiveLength)
 from ggufspec.policy.auto import AutoPolicy
-from ggufspec.policy.shared import REACH_TICKS, SlotRecords
+from ggufspec.policy.shared import REACH_TICKS, QuietRun, SlotRecords
 from ggufspec.policy.tree_sizer import TreeSizer
 from ggufspec.proposers import NO_DRAFT, Context, Draft, Proposer
 from ggufspec.proposers.draft_model import DraftModelProposer
@@ -496,7 +496,7 @@ def test_a_slot_s_quiet_run_counts_its_steps_as_asking_each_one_would(tiny_draft
 
     def drafting(quiet_runs: bool) -> tuple[list[int], list[tuple]]:
         if not quiet_runs:
-            monkeypatch.setattr(AutoPolicy, "_quiet_run", lambda self, plan, n_ctx: None)
+            monkeypatch.setattr(QuietRun, "start", lambda self, *args: None)
         pool = replace(XEON_POOL, slots=8, slot_verify=[0.232, 0.30, 0.36], draft_sizes=[8], draft_batches=[0.0392])
         records, context = SlotRecords(), [1, 17, 29, 301]
         ticks = []

@@ -12,8 +12,9 @@ from ..proposers import Context, Draft, Proposer
 from ..proposers.lookup import LONG_MATCH
 from ..verifier import Verdict
 from . import PLAIN, Plan, Timing, check_tree, observe_tree
-from .adaptive import COPY_PRIOR, MIN_GAIN, OPTIMISTIC, PHRASE_MATCH, PROBE_EVERY_MAX, SHARED_GAIN, AdaptiveLength
-from .shared import REACH_TICKS, SlotRecords, TickPlan
+from .adaptive import COPY_PRIOR, PHRASE_MATCH, PROBE_EVERY_MAX, SHARED_GAIN, AdaptiveLength
+from .decision import decision
+from .shared import REACH_TICKS, QuietRun, SlotRecords, TickPlan
 from .tree_sizer import TreeSizer
 
 # The most tokens over which the draft model's catching up is expected to pay back (AutoPolicy._catch_up_pays): an
@@ -32,8 +33,6 @@ QUIET_LEARN_EVERY = 32
 # than this, the pool's plans (priced by every slot's records) stand; else each is priced again (SlotRecords.renew).
 MOVED = 1e-3
 MTP_MEMORY = 0.8  # the MTP head's record: each judged guess moves it 20% of the way (other records: 5%)
-SOURCE_NAMES = {"draft": "draft model", "lookup": "lookup", "medusa": "Medusa tree", "mtp": "MTP head"}  # decision()
-MODEL_NAMES = {"draft": "the draft model", "mtp": "the MTP head"}  # the drafting models, as decision() says them
 
 
 class AutoPolicy:
@@ -90,18 +89,14 @@ class AutoPolicy:
         self._quiet_source = self._model_records[0] if self._models else self.lookup_length  # the record timing one
         self._mtp_prices: dict[int, MtpPrices] = {}  # a view per cost model (ContextCosts keeps them)
         # this generation's steps by what drafted them (None: plain), and the steps lookup had a guess at: decision()
-        self.steps: dict[str | None, int] = {}
+        self.steps: dict[str | None, int] = {None: 0}
         self.guessed = 0
         self.unsearched = 0  # steps whose batch left lookup no guess worth searching for (_lookup_may_pay)
         self._reach: tuple[int, tuple, bool] | None = None  # _lookup_may_pay's last answer: (tick, shape, answer)
         self._tick_plan: TickPlan | None = None  # the pool's plan the last price_at took (None: priced its own)
         self._last_ctx = 0  # the longest context priced by the same cost model as the last price_at's
         self._quiet_step = False  # the step planned is a quiet one (_quiet)
-        # quiet steps that may follow the last one _quiet found without asking it again, and those of them granted
-        # (_quiet_run): what they count goes to the records and counters at once (_settle)
-        self._quiet_left = self._quiet_granted = 0
-        self._deferring = False  # the quiet run defers the probes falling due in it
-        self._run_lanes: tuple[int, ...] = ()  # the batch after which the run began: it goes on after such batches
+        self._run = QuietRun()  # the quiet steps after the last one _quiet found
 
     @property
     def k_cap(self) -> int:
@@ -271,9 +266,9 @@ class AutoPolicy:
         return self.model if name == "draft" else self.mtp
 
     def plan(self, context: Context, room: int, deferred: int) -> Plan:
-        now = self._tick_plan  # a quiet run goes on while the pool's plan stands for this batch (_quiet_run)
-        if self._quiet_left and not now.replaced and self.tick < now.until and self.lanes == self._run_lanes:
-            self._quiet_left -= 1
+        run = self._run  # a quiet run goes on while the pool's plan stands for batches like the one it began after
+        if run.left and not run.plan.replaced and self.tick < run.plan.until and self.lanes == run.lanes:
+            run.left -= 1
             return PLAIN
         self._settle()
         # (Medusa's steps are planned in full: its sizer plans a tree every step)
@@ -330,9 +325,8 @@ class AutoPolicy:
         no lookup guess worth searching for, no guess of this slot's waits to be judged, and no probe is due (or the
         one due is not worth it at the plan's prices: deferred here, as the full plan would). Counted as the full
         plan would count it; the first drafting model's record times it (the full plan's catch-up rule is weighed
-        when a probe is made). The plan held, or the one standing for this context and batch (taken as price_at
-        takes it: a generation's steps after its first, a context grown past its cost model's, a batch of other
-        slots, another slot's newer plan)."""
+        when a probe is made). The plan held, or the one standing for this context and batch (as price_at takes
+        it); the steps after it run on it unasked (QuietRun)."""
         if self._unverified:
             return False
         now = self._tick_plan
@@ -356,32 +350,14 @@ class AutoPolicy:
         self._proposed = None
         self.unsearched += 1
         self.steps[None] += 1
-        self._quiet_run(now, n_ctx)
+        self._run.start(now, self.lanes, self._model_records, self._last_ctx - n_ctx)
         return True
 
-    def _quiet_run(self, plan: TickPlan, n_ctx: int) -> None:
-        """After a quiet step: how many steps after it are quiet too while the pool's `plan` stands for the same batch
-        (plan() checks that each step): up to the longest context its cost model prices (each plain step commits one
-        token), and to the next probe due, unless the plan says a lone drafting model's probes would not pay (each
-        falling due is then deferred, as _quiet defers it). Those steps are counted when the run ends (_settle)."""
-        records = self._model_records
-        self._deferring = len(records) == 1 and not plan.worth_probing(records[0])
-        run = self._last_ctx - n_ctx
-        if not self._deferring:
-            run = min(run, *(r.rests_for() for r in records))
-        self._quiet_left = self._quiet_granted = max(0, run)
-        self._run_lanes = self.lanes  # (the batch the plan's key was found for)
-
     def _settle(self) -> None:
-        """The quiet run's steps taken (plan), counted as _quiet counts each: its records rested, a plain step that
-        searched nothing."""
-        taken = self._quiet_granted - self._quiet_left
-        if taken:
-            for record in self._model_records:
-                record.rested(taken, self._deferring)
-            self.steps[None] += taken
-            self.unsearched += taken
-        self._quiet_left = self._quiet_granted = 0
+        """The quiet run's steps taken (plan) counted as _quiet counts each: a plain step that searched nothing."""
+        taken = self._run.settle(self._model_records)
+        self.steps[None] += taken
+        self.unsearched += taken
 
     def _lookup_may_pay(self) -> bool:
         """Whether any lookup guess could pay in the batch priced: where even one of the longest kept whole would not
@@ -453,49 +429,10 @@ class AutoPolicy:
             self.source.update(drafted, kept, timing)
 
     def decision(self) -> str:
-        """What this generation drafted from, and why nothing, or why the draft model stayed off, at the costs of the
-        last context: "speculation off: a 5-token batch costs 3.6 decodes here and a draft token 0.95: even drafts
-        kept 90% of the time would not pay". For the stats line and --json."""
+        """What this generation drafted from, and why nothing, or why a drafting model stayed off, at the costs of
+        the last context (decision.decision): for the stats line and --json."""
         self._settle()
-        drafted = {s: n for s, n in self.steps.items() if s is not None}
-        parts = []
-        if drafted:
-            by = ", ".join(f"{SOURCE_NAMES.get(s, s)} {n}" for s, n in sorted(drafted.items(), key=lambda x: -x[1]))
-            parts.append(f"drafted on {sum(drafted.values())} of {sum(self.steps.values())} passes ({by})")
-        off = [(name, record) for name, record, _ in self.models() if name not in drafted]
-        if len(off) == 1 and not drafted:  # the draft model's as it always said it; the MTP head's named
-            parts.append(f"speculation off: {'the MTP head: ' * (off[0][0] == 'mtp')}{self._why_off(off[0][1])}")
-        elif off:
-            whys = "; ".join(f"{MODEL_NAMES[name]}: {self._why_off(record)}" for name, record in off)
-            parts.append(f"speculation off: {whys}" if not drafted else
-                         "; ".join(f"{MODEL_NAMES[name]} off: {self._why_off(record)}" for name, record in off))
-        elif not drafted:
-            why = self._why_off(self.lookup_length)
-            if self.sizer is not None:
-                why = f"the heads' tree was not expected to pay, nor lookup's guesses ({why})"
-            parts.append(f"speculation off: {why}")
-        return "; ".join(parts)
-
-    def _why_off(self, record: AdaptiveLength) -> str:
-        """Why `record` (a drafting model's, or lookup's chance matches) drafted nothing: no guess to verify, what a
-        batch costs here against the best a draft could keep, or against what its drafts were expected to keep."""
-        model = any(record is r for _, r, _ in self.models())
-        if not model and not self.guessed and not self.unsearched:
-            return "the text did not repeat itself, so lookup had nothing to guess"
-        c, free = record.costs, record.free
-        k = c.best_k(OPTIMISTIC, self.k_max, k_min=1, free=free)  # the length most likely to pay
-        price = f"a {k + 1}-token batch costs {c.batch_seconds(k + 1) / c.verify[0]:.1f} decodes here"
-        if not free:
-            step = "an MTP step" if record is self.mtp_length else "a draft token"
-            price += f" and {step} {c.draft / c.verify[0]:.2f}"
-        gain = SHARED_GAIN if c.shared else MIN_GAIN
-        if c.expected_rate(k, OPTIMISTIC, free) < gain * c.expected_rate(0, 0):
-            return f"{price}: even drafts kept {OPTIMISTIC:.0%} of the time would not pay"
-        if not record.planned():
-            return f"{price}: drafts kept {record.acceptance[0]:.0%} of the time (so far) would not pay"
-        if model:
-            return f"{price}: drafting would pay, but not the drafter's catching up on the text it has not seen"
-        return f"{price}: no guess came where verifying it would pay"
+        return decision(self)
 
     def _withdraw(self) -> None:
         """The lookup guess just planned is not verified (the tree runs instead): the step teaches its record

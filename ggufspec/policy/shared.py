@@ -1,5 +1,6 @@
 """What a pool's slots' `auto` policies share: each slot's drafting records by lane, the cost models by context size,
-and the plans one slot works out for every slot of a batch (TickPlan), which the others take."""
+and the plans one slot works out for every slot of a batch (TickPlan), which the others take, a slot's quiet steps
+running on one (QuietRun)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,39 @@ class TickPlan:
     def reached(self, reach: bool) -> None:
         """_lookup_may_pay's answer, worked out by a slot for every slot."""
         self.reach, self.quiet = reach, self.idle and not reach
+
+
+@dataclass
+class QuietRun:
+    """A slot's quiet steps after one AutoPolicy._quiet found on the pool's `plan`: taken without asking it again
+    while the plan stands for batches like the one the run began after (AutoPolicy.plan), `left` more at most, and
+    counted when the run ends (settle)."""
+
+    plan: TickPlan | None = None
+    lanes: tuple[int, ...] = ()  # the batch it began after
+    left: int = 0  # the steps it may still take
+    granted: int = 0
+    deferring: bool = False  # a probe falling due in it is deferred (the plan says none would pay)
+
+    def start(self, plan: TickPlan, lanes: tuple[int, ...], records: tuple[AdaptiveLength, ...], room: int) -> None:
+        """A run on `plan` after batch `lanes`: `room` plain steps at most (to the longest context its cost model
+        prices: each commits one token), and to the next probe of `records` due, unless the plan says a lone
+        drafting model's probes would not pay (each falling due is then deferred, as _quiet defers it)."""
+        self.deferring = len(records) == 1 and not plan.worth_probing(records[0])
+        if not self.deferring:
+            room = min(room, *(r.rests_for() for r in records))
+        self.plan, self.lanes = plan, lanes
+        self.left = self.granted = max(0, room)
+
+    def settle(self, records: tuple[AdaptiveLength, ...]) -> int:
+        """The run's steps taken, counted to `records` as rest() counts each (probes deferred where deferring); the
+        run ends. Returns how many."""
+        taken = self.granted - self.left
+        if taken:
+            for record in records:
+                record.rested(taken, self.deferring)
+        self.left = self.granted = 0
+        return taken
 
 
 @dataclass
