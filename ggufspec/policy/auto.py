@@ -95,8 +95,7 @@ class AutoPolicy:
         self._reach: tuple[int, tuple, bool] | None = None  # _lookup_may_pay's last answer: (tick, shape, answer)
         self._tick_plan: TickPlan | None = None  # the pool's plan the last price_at took (None: priced its own)
         self._last_ctx = 0  # the longest context priced by the same cost model as the last price_at's
-        self._quiet_step = False  # the step planned is a quiet one (_quiet)
-        self._run = QuietRun()  # the quiet steps after the last one _quiet found
+        self._quiet_step, self._run = False, QuietRun()  # the step planned is quiet (_quiet); those after it (run)
 
     @property
     def k_cap(self) -> int:
@@ -272,7 +271,7 @@ class AutoPolicy:
             return PLAIN
         self._settle()
         # (Medusa's steps are planned in full: its sizer plans a tree every step)
-        self._quiet_step = self.slot_records is not None and self.sizer is None and self._quiet(len(context))
+        self._quiet_step = self.slot_records is not None and self.sizer is None and self._quiet(context)
         if self._quiet_step:
             return PLAIN
         nodes = None
@@ -319,16 +318,17 @@ class AutoPolicy:
             self._unverified.append(judged_later)
         return self._model_plan(context, room, min(k, self.k_max - deferred), planned)
 
-    def _quiet(self, n_ctx: int) -> bool:
+    def _quiet(self, context: Context) -> bool:
         """A pool's plain step known without pricing it, as most are where nothing pays (beside many busy slots on a
-        CPU): the pool's plan that priced this slot's last step stands (price_at's rule), has no model drafting and
-        no lookup guess worth searching for, no guess of this slot's waits to be judged, and no probe is due (or the
-        one due is not worth it at the plan's prices: deferred here, as the full plan would). Counted as the full
+        CPU): the pool's plan that priced this slot's last step, or the one standing for this context and batch (as
+        price_at takes it), has no model drafting and no lookup guess worth searching for, and no probe is due (or
+        the one due is not worth it at the plan's prices: deferred here, as the full plan would). Counted as the full
         plan would count it; the first drafting model's record times it (the full plan's catch-up rule is weighed
-        when a probe is made). The plan held, or the one standing for this context and batch (as price_at takes
-        it); the steps after it run on it unasked (QuietRun)."""
+        when a probe is made); guesses left unverified judged as far as the context has caught up with them (the
+        rest later: what was committed stays). The steps after it run on the plan unasked (QuietRun)."""
         if self._unverified:
-            return False
+            self._judge_unverified(context.tokens)
+        n_ctx = len(context)
         now = self._tick_plan
         if now is None or now.replaced or n_ctx > self._last_ctx or self.lanes != now.lanes:
             now = self._standing(n_ctx)
