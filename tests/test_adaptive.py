@@ -527,53 +527,79 @@ def test_a_slot_s_quiet_run_counts_its_steps_as_asking_each_one_would(tiny_draft
     assert 2 * REACH_TICKS < probes[0] and probes[1] - probes[0] < probes[2] - probes[1], probes  # backing off
 
 
+class QuietPool:
+    """8 slots on `auto` at the Xeon's prices, where nothing pays beside 7 busy slots (drafts kept 70% of the time), on
+    the tiny draft: `run` steps them all, each tick's batch `lanes` (every slot's step plain), and `priced` holds the
+    tick of every batch price worked out meanwhile."""
+
+    def __init__(self, draft: DraftModelProposer) -> None:
+        self.pool = replace(XEON_POOL, slots=8, slot_verify=[0.232, 0.30, 0.36], draft_sizes=[8], draft_batches=[0.0392])
+        self.priced: list[int] = []
+        self.tick, padded = 0, self.pool.padded_seconds
+
+        def counted(*args, **kwargs):
+            self.priced.append(self.tick)
+            return padded(*args, **kwargs)
+
+        self.pool.padded_seconds = counted
+        records, self.context = SlotRecords(), [1, 17, 29, 301]
+        self.slots = [AutoPolicy(self.pool, 4, model=True, slot_records=records, peers=lambda: 7) for _ in range(8)]
+        self.proposers = [begin(auto, LookupProposer(draft.n_vocab), draft, self.context) for auto in self.slots]
+
+    def run(self, ticks: range, lanes: tuple[int, ...] = (1,) * 8, stepping: tuple[int, ...] = tuple(range(8))
+            ) -> list[Plan]:
+        """Each tick, the slots in `stepping` step (the others' prompts go on)."""
+        plans = []
+        for self.tick in ticks:
+            for lane in stepping:
+                auto, props = self.slots[lane], self.proposers[lane]
+                plan, draft = step(auto, props, self.context, 4, room=500)
+                plans.append(plan)
+                verdict = Verdict([0], len(draft.tokens), 0.0, len(draft.tokens) + 1, 0,
+                                  shape=BatchShape(lanes, self.tick), lane=lane)
+                auto.observe(plan, draft, verdict, None)
+        return plans
+
+
 def test_a_pool_s_plan_stands_through_a_slot_s_uneven_step_and_a_generation_joining(tiny_draft) -> None:
     """The pool's plan prices each other busy slot as stepping next, whatever it added last: one slot's lookup guess
     in a batch (uneven lanes) leaves it standing for every slot, and a generation joining the busy slots takes it
     at its start and first step; priced again only where a record's restart moved it (a slot that drafted)."""
-    pool = replace(XEON_POOL, slots=8, slot_verify=[0.232, 0.30, 0.36], draft_sizes=[8], draft_batches=[0.0392])
-    priced: list[int] = []  # the tick of every batch price worked out
-    padded = pool.padded_seconds
-    tick = 0
-
-    def counted(*args, **kwargs):
-        priced.append(tick)
-        return padded(*args, **kwargs)
-
-    pool.padded_seconds = counted
-    records, context = SlotRecords(), [1, 17, 29, 301]
     with open_decoder(tiny_draft) as d:
-        slots = [AutoPolicy(pool, 4, model=True, slot_records=records, peers=lambda: 7) for _ in range(8)]
-        proposers = [begin(auto, LookupProposer(d.n_vocab), DraftModelProposer(d, d.n_vocab, SamplingParams(), None),
-                           context) for auto in slots]
-
-        def run(ticks: range, lanes: tuple[int, ...] = (1,) * 8) -> list[Plan]:
-            nonlocal tick
-            plans = []
-            for tick in ticks:
-                for lane, (auto, props) in enumerate(zip(slots, proposers)):
-                    plan, draft = step(auto, props, context, 4, room=500)
-                    plans.append(plan)
-                    verdict = Verdict([0], len(draft.tokens), 0.0, len(draft.tokens) + 1, 0,
-                                      shape=BatchShape(lanes, tick), lane=lane)
-                    auto.observe(plan, draft, verdict, None)
-            return plans
-
-        run(range(1, 5))
-        assert priced and max(priced) <= 2  # the first ticks' plans, then none
-        priced.clear()
-        run(range(5, 6), lanes=(1, 1, 5, 1, 1, 1, 1, 1))  # slot 2's 4-token guess rode in tick 5
-        assert not any(p.source for p in run(range(6, 20))) and not priced
+        pool = QuietPool(DraftModelProposer(d, d.n_vocab, SamplingParams(), None))
+        pool.run(range(1, 5))
+        assert pool.priced and max(pool.priced) <= 2  # the first ticks' plans, then none
+        pool.priced.clear()
+        pool.run(range(5, 6), lanes=(1, 1, 5, 1, 1, 1, 1, 1))  # slot 2's 4-token guess rode in tick 5
+        assert not any(p.source for p in pool.run(range(6, 20))) and not pool.priced
+        slot, proposers = pool.slots[3], pool.proposers[3]
         for moved in (False, True):  # slot 3's next generation, its record at the prior, then after drafting
-            record = slots[3].model_length
-            record.acceptance = [0.2 if moved else record.prior] * 4  # (a restart moves it halfway back to the prior)
-            assert slots[3].begin(context, proposers[3]) == set()  # (the draft model not prefilled)
-            assert bool(priced) == moved  # its start priced only where the restart renewed the pool's plans
-            priced.clear()
+            slot.model_length.acceptance = [0.2 if moved else slot.model_length.prior] * 4  # (a restart moves it
+            assert slot.begin(pool.context, proposers) == set()  # halfway back to the prior; the draft not prefilled)
+            assert bool(pool.priced) == moved  # its start priced only where the restart renewed the pool's plans
+            pool.priced.clear()
             start = 20 + 10 * moved
-            assert not any(p.source for p in run(range(start, start + 10)))
-            assert sorted(set(priced)) == ([start] if moved else [])  # then the next tick's, once
-            priced.clear()
+            assert not any(p.source for p in pool.run(range(start, start + 10)))
+            assert sorted(set(pool.priced)) == ([start] if moved else [])  # then the next tick's, once
+            pool.priced.clear()
+
+
+def test_slots_beside_a_long_prompt_price_its_first_chunk_s_batch_only(tiny_draft) -> None:
+    """Beside another slot's prompt going on chunk after chunk, each stepping slot prices its step by its place in
+    the batch: once for the first chunk's batch, then as planned while the next chunks come alike (each of them
+    priced anew by every slot, a long prompt's prefill cost the pool's Python ~0.3 ms a slot a chunk)."""
+    with open_decoder(tiny_draft) as d:
+        pool = QuietPool(DraftModelProposer(d, d.n_vocab, SamplingParams(), None))
+        pool.run(range(1, 5))
+        pool.priced.clear()
+        chunk = (1, 1, 1, SLOT_CHUNK, 1, 1, 1, 1)
+        stepping = (0, 1, 2, 4, 5, 6, 7)
+        pool.run(range(5, 6), lanes=chunk)  # slot 3 began a long prompt: its first chunk
+        pool.run(range(6, 12), lanes=chunk, stepping=stepping)
+        assert pool.priced and set(pool.priced) == {6}, pool.priced
+        pool.priced.clear()
+        pool.run(range(12, 13), lanes=(1, 1, 1, 40, 1, 1, 1, 1), stepping=stepping)  # its last chunk, shorter
+        assert not any(p.source for p in pool.run(range(13, 20))) and not pool.priced  # all stepping: the plan
 
 
 def test_a_pool_s_steps_are_priced_by_their_shape_as_measured_together() -> None:

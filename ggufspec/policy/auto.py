@@ -155,15 +155,15 @@ class AutoPolicy:
         return planned
 
     def _plan_key(self, costs: CostModel) -> tuple | None:
-        """The key of the pool's plan for a batch like the last one, at `costs`: what _price_shared's prices depend on
-        (which sequences are busy, and where some are idle, which one this slot is: each other busy slot is priced
-        as stepping next, whatever it added last); None where no pool's plan serves it (no pool, a batch of its own,
-        or another slot's prompt going on beside, priced from each slot's place)."""
+        """The key of the pool's plan for a batch like the last one at `costs`, of what _price_shared's prices depend
+        on: which sequences are busy (each other busy slot is priced as stepping next), and where some are idle or
+        another's prompt goes on, this slot's place and those chunks. None without a pool or in a batch of its own."""
         lanes = self.lanes
         if self.slot_records is None or len(lanes) < 2:
             return None
         if max(lanes) >= SLOT_CHUNK and any(n >= SLOT_CHUNK for i, n in enumerate(lanes) if i != self.lane):
-            return None
+            going = tuple(n if n >= SLOT_CHUNK and i != self.lane else n > 0 for i, n in enumerate(lanes))
+            return (id(costs), going, self.lane, self.k_max, self._model_names)
         idle = (tuple(map(bool, lanes)), self.lane) if 0 in lanes else len(lanes)
         return (id(costs), idle, self.k_max, self._model_names)
 
@@ -173,9 +173,9 @@ class AutoPolicy:
         return self.slot_records.standing(self._plan_key(costs), costs, self.tick)
 
     def _join(self, n_ctx: int) -> bool:
-        """Where this generation joins busy slots whose pool's plan prices every slot busy (and still stands: no
-        record restarted since, SlotRecords.renew), take it as of the batch it was worked out after: begin's prices,
-        and its first step's (the next batch's number tells whether it stood that long). Whether it did."""
+        """Where this generation joins busy slots whose pool's plan prices every slot busy (no record moved since:
+        SlotRecords.renew), take it as of the batch it was worked out after, for begin and the first step (the next
+        batch's number tells whether it stood that long). Whether it did."""
         if self.slot_records is None or not self.peers:
             return False
         costs = self.context_costs.at(n_ctx)

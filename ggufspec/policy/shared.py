@@ -31,7 +31,9 @@ class TickPlan:
 
     def __post_init__(self) -> None:
         self.idle = self.planned is not None and not any(self.planned.values())  # no model drafts: it may stand
-        self.until = self.tick + (REACH_TICKS if self.idle else 1)  # the first tick it no longer prices (price_at)
+        # the first tick it no longer prices (price_at): one where a model drafts; beside a prompt's chunks (None:
+        # each step chooses), while its next chunks come alike, unless a model drafts (AutoPolicy.observe)
+        self.until = self.tick + (REACH_TICKS if self.idle or self.planned is None else 1)
         self.quiet = False  # idle, and no lookup guess pays (set with reach: every quiet step reads it)
         self.worth: dict[int, bool] = {}  # worth_probing's answers, by the record's prices (a view of this plan)
 
