@@ -533,7 +533,8 @@ class QuietPool:
     tick of every batch price worked out meanwhile."""
 
     def __init__(self, draft: DraftModelProposer) -> None:
-        self.pool = replace(XEON_POOL, slots=8, slot_verify=[0.232, 0.30, 0.36], draft_sizes=[8], draft_batches=[0.0392])
+        self.pool = replace(XEON_POOL, slots=8, slot_verify=[0.232, 0.30, 0.36], draft_sizes=[8],
+                            draft_batches=[0.0392])
         self.priced: list[int] = []
         self.tick, padded = 0, self.pool.padded_seconds
 

@@ -137,10 +137,10 @@ class AutoPolicy:
             for length in self._records:
                 length.costs = self._prices(length, costs)
             return None
-        # where no other slot's prompt goes on beside, each other busy slot is priced as stepping next, so every slot
-        # (where some are idle, every slot in the same place) prices the same: worked out by the tick's first slot,
-        # taken by the others; where no model drafts, for REACH_TICKS ticks (the views' prices are then a few ticks
-        # old, and what the slots' full steps teach the cost model prices the next plan)
+        # each other busy slot is priced as stepping next (or as its prompt's chunk), so every slot in a batch of the
+        # same shape (where some are idle or a prompt goes on, in the same place) prices the same: worked out by the
+        # tick's first slot, taken by the others; where no model drafts, for REACH_TICKS ticks (the views' prices are
+        # then a few ticks old, and what the slots' full steps teach the cost model prices the next plan)
         key = self._plan_key(costs) if self.tick >= 0 else None
         kept = self.slot_records.standing(key, costs, self.tick) if key is not None else None  # (key: a pool's)
         if kept is not None:

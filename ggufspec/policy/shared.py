@@ -17,8 +17,8 @@ REACH_TICKS = 128
 
 @dataclass
 class TickPlan:
-    """AutoPolicy.price_at's answer for a batch with no other slot's prompt going on beside, which every slot whose
-    batch has its key takes (AutoPolicy._plan_key)."""
+    """AutoPolicy.price_at's answer for a shape of batch (AutoPolicy._plan_key), which every slot whose batch has
+    that shape takes."""
 
     tick: int  # the batch it was worked out after
     planned: dict[str, int] | None  # each drafting model's length (None: a prompt's chunk goes on beside)
@@ -31,8 +31,8 @@ class TickPlan:
 
     def __post_init__(self) -> None:
         self.idle = self.planned is not None and not any(self.planned.values())  # no model drafts: it may stand
-        # the first tick it no longer prices (price_at): one where a model drafts; beside a prompt's chunks (None:
-        # each step chooses), while its next chunks come alike, unless a model drafts (AutoPolicy.observe)
+        # the first tick it no longer prices (price_at): the next where a model drafts; else (none, or beside a
+        # prompt's chunks, where each step chooses) REACH_TICKS on, unless a model drafts sooner (AutoPolicy.observe)
         self.until = self.tick + (REACH_TICKS if self.idle or self.planned is None else 1)
         self.quiet = False  # idle, and no lookup guess pays (set with reach: every quiet step reads it)
         self.worth: dict[int, bool] = {}  # worth_probing's answers, by the record's prices (a view of this plan)
