@@ -529,10 +529,10 @@ def test_a_slot_s_quiet_run_counts_its_steps_as_asking_each_one_would(tiny_draft
 
 class QuietPool:
     """8 slots on `auto` at the Xeon's prices, where nothing pays beside 7 busy slots (drafts kept 70% of the time), on
-    the tiny draft: `run` steps them all, each tick's batch `lanes` (every slot's step plain), and `priced` holds the
+    the tiny draft (or on lookup alone): `run` steps them all, each tick's batch `lanes` (every slot's step plain), and `priced` holds the
     tick of every batch price worked out meanwhile."""
 
-    def __init__(self, draft: DraftModelProposer) -> None:
+    def __init__(self, draft: DraftModelProposer | None) -> None:
         self.pool = replace(XEON_POOL, slots=8, slot_verify=[0.232, 0.30, 0.36], draft_sizes=[8],
                             draft_batches=[0.0392])
         self.priced: list[int] = []
@@ -544,8 +544,10 @@ class QuietPool:
 
         self.pool.padded_seconds = counted
         records, self.context = SlotRecords(), [1, 17, 29, 301]
-        self.slots = [AutoPolicy(self.pool, 4, model=True, slot_records=records, peers=lambda: 7) for _ in range(8)]
-        self.proposers = [begin(auto, LookupProposer(draft.n_vocab), draft, self.context) for auto in self.slots]
+        model = draft is not None
+        self.slots = [AutoPolicy(self.pool, 4, model=model, slot_records=records, peers=lambda: 7) for _ in range(8)]
+        n_vocab = draft.n_vocab if model else 512
+        self.proposers = [begin(auto, LookupProposer(n_vocab), draft, self.context) for auto in self.slots]
 
     def run(self, ticks: range, lanes: tuple[int, ...] = (1,) * 8, stepping: tuple[int, ...] = tuple(range(8))
             ) -> list[Plan]:
@@ -560,6 +562,14 @@ class QuietPool:
                                   shape=BatchShape(lanes, self.tick), lane=lane)
                 auto.observe(plan, draft, verdict, None)
         return plans
+
+
+def test_a_pool_on_lookup_alone_steps_plain_unpriced_where_no_guess_could_pay() -> None:
+    """Without a drafting model (`auto` on lookup alone) a pool's quiet steps run on its plan too: priced once."""
+    pool = QuietPool(None)
+    assert not any(p.source for p in pool.run(range(1, 3 * PROBE_EVERY)))
+    assert pool.priced and max(pool.priced) <= 2
+    assert all(auto.decision().startswith("speculation off") for auto in pool.slots)
 
 
 def test_a_pool_s_plan_stands_through_a_slot_s_uneven_step_and_a_generation_joining(tiny_draft) -> None:

@@ -68,7 +68,7 @@ class QuietRun:
         drafting model's probes would not pay (each falling due is then deferred, as _quiet defers it)."""
         self.deferring = len(records) == 1 and not plan.worth_probing(records[0])
         if not self.deferring:
-            room = min(room, *(r.rests_for() for r in records))
+            room = min([room, *(r.rests_for() for r in records)])  # (no drafting model: lookup's alone)
         self.plan, self.lanes = plan, lanes
         self.left = self.granted = max(0, room)
 
