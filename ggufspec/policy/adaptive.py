@@ -99,7 +99,7 @@ class AdaptiveLength:
     def rest(self) -> bool:
         """choose(0) where it would return 0 without pricing (True: a plain step counted toward the next probe);
         False, counting nothing, where a probe is due."""
-        if self._off_steps + 1 >= self.probe_every:  # (rests(), inlined: every quiet step of a pool's slot asks)
+        if self._off_steps + 1 >= self.probe_every:  # (rests(), inlined: every quiet check asks)
             return False
         self._off_steps += 1
         self._probing = False
@@ -109,16 +109,12 @@ class AdaptiveLength:
         """How many rest() calls from now would each count a plain step before a probe is due."""
         return max(0, self.probe_every - 1 - self._off_steps)
 
-    def rested(self, n: int, deferring: bool = False) -> None:
-        """n plain steps counted at once, as n rest() calls would count them (n <= rests_for()); `deferring`, any
-        number of them, each probe falling due among them deferred (defer()) instead of made."""
+    def rested(self, n: int) -> None:
+        """n plain steps counted at once, as n rest() calls would count them, each probe falling due among them
+        deferred (defer()): probe_every - 1 rests, then a deferral (from 0 again), and so on. (Where n <=
+        rests_for(), none falls due.)"""
         self._probing = False
-        if deferring:  # probe_every - 1 rests, then a deferral (from 0 again), and so on
-            self._off_steps = (self._off_steps + n) % self.probe_every
-        elif n > self.rests_for():
-            raise ValueError(f"{n} steps rested, where a probe is due after {self.rests_for()}")
-        else:
-            self._off_steps += n
+        self._off_steps = (self._off_steps + n) % self.probe_every
 
     def worth_probing(self) -> bool:
         """Whether drafts kept OPTIMISTIC of the time would beat plain steps by PROBE_GAIN at these prices."""

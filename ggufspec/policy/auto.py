@@ -145,7 +145,7 @@ class AutoPolicy:
         kept = self.slot_records.standing(key, costs, self.tick) if key is not None else None  # (key: a pool's)
         if kept is not None:
             if kept is not self._tick_plan:  # (the records hold its views from this slot's last step otherwise)
-                self._take(kept)
+                self._take(kept, n_ctx)
             return kept.planned  # (read only)
         planned = self._price_shared(costs)
         self._tick_plan = None
@@ -183,13 +183,13 @@ class AutoPolicy:
         if plan is None or plan.costs is not costs:
             return False
         self.tick = plan.tick
-        self._take(plan)
-        self._last_ctx = self.context_costs.last_at(n_ctx)
+        self._take(plan, n_ctx)
         return True
 
-    def _take(self, plan: TickPlan) -> None:
-        """Price the next steps as the pool's `plan` does: its views for every record."""
+    def _take(self, plan: TickPlan, n_ctx: int) -> None:
+        """Price the next steps after n_ctx tokens as the pool's `plan` does: its views for every record."""
         self._tick_plan = plan
+        self._last_ctx = self.context_costs.last_at(n_ctx)
         for length, view in zip(self._records, plan.views):
             length.costs = view
 
@@ -334,8 +334,7 @@ class AutoPolicy:
             now = self._standing(n_ctx)
             if now is None:
                 return False
-            self._take(now)
-            self._last_ctx = self.context_costs.last_at(n_ctx)
+            self._take(now, n_ctx)
         if not (now.quiet and now.tick <= self.tick < now.until):
             return False
         records = self._model_records

@@ -60,25 +60,23 @@ class QuietRun:
     lanes: tuple[int, ...] = ()  # the batch it began after
     left: int = 0  # the steps it may still take
     granted: int = 0
-    deferring: bool = False  # a probe falling due in it is deferred (the plan says none would pay)
 
     def start(self, plan: TickPlan, lanes: tuple[int, ...], records: tuple[AdaptiveLength, ...], room: int) -> None:
         """A run on `plan` after batch `lanes`: `room` plain steps at most (to the longest context its cost model
         prices: each commits one token), and to the next probe of `records` due, unless the plan says a lone
         drafting model's probes would not pay (each falling due is then deferred, as _quiet defers it)."""
-        self.deferring = len(records) == 1 and not plan.worth_probing(records[0])
-        if not self.deferring:
+        if not (len(records) == 1 and not plan.worth_probing(records[0])):  # (else each probe due is deferred)
             room = min([room, *(r.rests_for() for r in records)])  # (no drafting model: lookup's alone)
         self.plan, self.lanes = plan, lanes
         self.left = self.granted = max(0, room)
 
     def settle(self, records: tuple[AdaptiveLength, ...]) -> int:
-        """The run's steps taken, counted to `records` as rest() counts each (probes deferred where deferring); the
-        run ends. Returns how many."""
+        """The run's steps taken, counted to `records` as rest() counts each (a probe falling due deferred); the run
+        ends. Returns how many."""
         taken = self.granted - self.left
         if taken:
             for record in records:
-                record.rested(taken, self.deferring)
+                record.rested(taken)
         self.left = self.granted = 0
         return taken
 
