@@ -46,7 +46,9 @@ def padded_seconds(lanes: Sequence[int], seconds: Price, longest: int) -> float:
 def _cheapest(lanes: Sequence[int], seconds: Price, longest: int) -> tuple[tuple[int, ...], float]:
     best, cheapest = (), math.inf
     for padded, shapes in _paddings(tuple(lanes), longest):
-        total = sum(seconds(*shape) for shape in shapes)  # CostModel.micro_seconds remembers each shape's price
+        total = 0.0
+        for seqs, each in shapes:  # (a loop, not sum() of a generator: `auto` prices many lanes a plan)
+            total += seconds(seqs, each)  # CostModel.micro_seconds remembers each shape's price
         if total < cheapest:
             best, cheapest = padded, total
     return best, cheapest

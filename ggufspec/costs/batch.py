@@ -105,14 +105,18 @@ class SharedBatch(Prices):
     def step_seconds(self, k: int, free: bool = False) -> float:
         seconds = self._steps.get((k, free))
         if seconds is None:
+            base = self.base
             self.lanes[self.lane] = k + 1
-            lanes = tuple(k + 1 if n else 0 for n in self.lanes) if self.follow else tuple(self.lanes)
-            longest = len(self.base.verify)  # a step's chain: as the pool pads (draft_max + 1)
             # following, each draft position is one draft batch of every slot's token: priced as one token, the
             # slots' drafts would be taken for a fraction of their cost, and all would draft where none pays
-            draft = self.base.draft_seconds(self.busy) if self.follow else self.draft
-            seconds = (k * (0.0 if free else draft) + self.base.padded_seconds(lanes, longest)
-                       + self.base.holds(k, free, self.busy if self.follow else 1))
+            if self.follow:
+                lanes, slots = tuple([k + 1 if n else 0 for n in self.lanes]), self.busy
+                draft = base.draft_seconds(slots) if k and not free else 0.0
+            else:
+                lanes, slots, draft = tuple(self.lanes), 1, base.draft
+            longest = len(base.verify)  # a step's chain: as the pool pads (draft_max + 1)
+            seconds = (k * (0.0 if free else draft) + base.padded_seconds(lanes, longest)
+                       + base.holds(k, free, slots))
             self._steps[k, free] = seconds
         return seconds
 
