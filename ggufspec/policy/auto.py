@@ -373,8 +373,10 @@ class AutoPolicy:
         if (tick is None and self._reach is not None and self._reach[1] == shape
                 and 0 <= self.tick - self._reach[0] < REACH_TICKS):
             return self._reach[2]
-        _, best = c.best(1.0, self.k_max, k_min=1, free=True, longer=longer)
-        reach = best >= SHARED_GAIN * c.rate(0, 1.0)
+        # any length whose guess, kept whole, pays (Prices.best's rates): beside a prompt's chunk most do, and the
+        # first found answers; where none does (beside busy slots' steps), every length is priced
+        floor = SHARED_GAIN * c.rate(0, 1.0)
+        reach = any(c.rate(k, k + 1.0, free=True) >= floor for k in (*longer[::-1], *range(self.k_max, 0, -1)))
         self._reach = (self.tick, shape, reach)
         if tick is not None:
             tick.reached(reach)
