@@ -572,6 +572,27 @@ def test_a_pool_on_lookup_alone_steps_plain_unpriced_where_no_guess_could_pay() 
     assert all(auto.decision().startswith("speculation off") for auto in pool.slots)
 
 
+@pytest.mark.parametrize("lanes", [(1,) * 8, (1, 1, 0, 1, 1, 1, 0, 1), (1, 1, 40, 1, 1, 1, 1, 1), (3, 1, 1, 1),
+                                   (1, 1, SLOT_CHUNK, 1, 1, 1, 1, 1), (1,) * 9 + (SLOT_CHUNK,), (1, 1), (1, SLOT_CHUNK)])
+def test_a_slot_searches_for_lookup_guesses_where_the_best_length_kept_whole_would_pay(lanes) -> None:
+    """Lookup searches beside the others' batch (each other slot stepping next, or its prompt's chunk going on) only
+    where its best guess, every token kept, would beat a plain step by SHARED_GAIN (Prices.best over k_max's lengths
+    and the copy's longer ones): beside busy slots' steps on this CPU none does; beside a prompt's chunk, most do;
+    beside 9 slots and a chunk, only a long one."""
+    lookup = LookupProposer(4096)
+    auto = AutoPolicy(XEON_POOL, 4, model=False, slot_records=SlotRecords())
+    proposers = begin(auto, lookup)
+    auto.lanes, auto.lane, auto.tick = lanes, 0, 5
+    step(auto, proposers, [7, 8, 9, 7, 8], 4)
+    view = SharedBatch(XEON_POOL, [n if i == 0 or n >= SLOT_CHUNK else min(n, 1) for i, n in enumerate(lanes)], 0)
+    rate, longer = view.rate, auto.copy_length.longer
+    _, best = view.best(1.0, 4, k_min=1, free=True, longer=longer)
+    pays = best >= SHARED_GAIN * rate(0, 1.0)
+    assert lookup.searches == pays and auto.unsearched == (not pays)
+    if len(lanes) == 10:
+        assert pays and max(rate(k, k + 1.0, free=True) for k in range(1, 5)) < SHARED_GAIN * rate(0, 1.0)
+
+
 def test_a_pool_s_plan_stands_through_a_slot_s_uneven_step_and_a_generation_joining(tiny_draft) -> None:
     """The pool's plan prices each other busy slot as stepping next, whatever it added last: one slot's lookup guess
     in a batch (uneven lanes) leaves it standing for every slot, and a generation joining the busy slots takes it
