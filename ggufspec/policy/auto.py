@@ -28,7 +28,7 @@ PROBE_CATCH_UP_SHARE = 0.1
 # While a pool's plan stands (REACH_TICKS ticks where nothing drafts), the cost model learns from one quiet tick in
 # this many (its first slot's step): the prices learned meanwhile price only the next plan, and learning from every
 # tick cost a pool of 8 quiet slots as much as their planning (docs/methods.md#measured-constants: QUIET_LEARN_EVERY)
-QUIET_LEARN_EVERY = 32
+QUIET_LEARN_EVERY = 64
 # A generation's start moves its drafting records' acceptance halfway back to the prior: where that moves none by more
 # than this, the pool's plans (priced by every slot's records) stand; else each is priced again (SlotRecords.renew).
 MOVED = 1e-3

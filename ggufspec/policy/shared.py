@@ -12,7 +12,7 @@ from .adaptive import AdaptiveLength
 # AutoPolicy._lookup_may_pay's answer stands this many ticks while the batch keeps its shape, and so does a pool's
 # plan where no model drafts (price_at) unless a probe drafts: prices move a little a tick, and working them out again
 # costs the tick's first slot several plain steps' Python (docs/methods.md#measured-constants: REACH_TICKS)
-REACH_TICKS = 128
+REACH_TICKS = 256
 
 
 @dataclass
