@@ -373,8 +373,7 @@ class AutoPolicy:
         if (tick is None and self._reach is not None and self._reach[1] == shape
                 and 0 <= self.tick - self._reach[0] < REACH_TICKS):
             return self._reach[2]
-        # any length whose guess, kept whole, pays (Prices.best's rates): beside a prompt's chunk most do, and the
-        # first found answers; where none does (beside busy slots' steps), every length is priced
+        # any length whose guess kept whole pays (Prices.best's rates), longest first: beside a chunk, most do
         floor = SHARED_GAIN * c.rate(0, 1.0)
         reach = any(c.rate(k, k + 1.0, free=True) >= floor for k in (*longer[::-1], *range(self.k_max, 0, -1)))
         self._reach = (self.tick, shape, reach)
