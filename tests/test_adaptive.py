@@ -573,7 +573,8 @@ def test_a_pool_on_lookup_alone_steps_plain_unpriced_where_no_guess_could_pay() 
 
 
 @pytest.mark.parametrize("lanes", [(1,) * 8, (1, 1, 0, 1, 1, 1, 0, 1), (1, 1, 40, 1, 1, 1, 1, 1), (3, 1, 1, 1),
-                                   (1, 1, SLOT_CHUNK, 1, 1, 1, 1, 1), (1,) * 9 + (SLOT_CHUNK,), (1, 1), (1, SLOT_CHUNK)])
+                                   (1, 1, SLOT_CHUNK, 1, 1, 1, 1, 1), (1,) * 9 + (SLOT_CHUNK,), (1, 1),
+                                   (1, SLOT_CHUNK)])
 def test_a_slot_searches_for_lookup_guesses_where_the_best_length_kept_whole_would_pay(lanes) -> None:
     """Lookup searches beside the others' batch (each other slot stepping next, or its prompt's chunk going on) only
     where its best guess, every token kept, would beat a plain step by SHARED_GAIN (Prices.best over k_max's lengths
