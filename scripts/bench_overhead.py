@@ -13,6 +13,10 @@ steps between ticks and the last ones' tails. Ratios of methods are steadiest fr
 
     python scripts/bench_overhead.py --tiny /tmp/ov --parallel 8 --methods autoregressive,auto --temps 0 --rounds 6
 
+With --time-policy it also clocks every slot's policy calls (begin, plan, observe) and reports their time a tick per
+method: where a machine's decode times move by more than a method's share of the tick, what one policy costs over
+another (`auto`'s over plain batching's, which does nothing) still shows, the clock's own cost counted in both.
+
 With --llama-server, the same model runs in llama.cpp's own loop (its server, one slot, the same thread count and
 KV types) at the same temperatures: its time per token against ggufspec's, and against the decode time alone.
 
@@ -125,19 +129,23 @@ def pool_share(a: argparse.Namespace, temps: list[float], out) -> None:
     n = a.parallel
     texts = prompts(2 * n, start=a.prompts)  # after the warm-up's
     methods = a.methods.split(",")
+    clock = {"seconds": 0.0}  # the policies' calls since the last read (--time-policy)
+    if a.time_policy:
+        time_policies(clock)
     options = DecoderOptions(n_ctx=4096 * n, n_threads=a.threads, n_gpu_layers=a.n_gpu_layers)
     with EnginePool.load(a.target, a.draft, options, parallel=n) as pool:
         lock = pool.lockstep
         for temp in temps:
             settings = {m: GenerationSettings(max_tokens=a.n, method=m, sampling=SamplingParams(temp), seed=0)
                         for m in methods}
-            totals = {m: [0, 0.0, 0.0, 0] for m in methods}  # tokens, wall, decode seconds, ticks
+            totals = {m: [0, 0.0, 0.0, 0, 0.0] for m in methods}  # tokens, wall, decode seconds, ticks, policy
             for m in methods:
                 for _ in pool.stream_many(prompts(n), settings[m]):  # warm-up (and auto's cost model)
                     pass
             for r in range(a.rounds):
                 for m in methods if r % 2 == 0 else methods[::-1]:
                     t0, dec0, ticks0 = time.perf_counter(), lock.decode_seconds, lock.n_ticks
+                    clock["seconds"] = 0.0
                     tokens = sum(x.token is not None for _, x in pool.stream_many(texts, settings[m])
                                  if not isinstance(x, Exception))
                     t = totals[m]
@@ -145,11 +153,32 @@ def pool_share(a: argparse.Namespace, temps: list[float], out) -> None:
                     t[1] += time.perf_counter() - t0
                     t[2] += lock.decode_seconds - dec0
                     t[3] += lock.n_ticks - ticks0
-            for m, (tokens, wall, dec, ticks) in totals.items():
+                    t[4] += clock["seconds"]
+            for m, (tokens, wall, dec, ticks, policy) in totals.items():
                 emit({"engine": "ggufspec", "parallel": n, "method": m, "temperature": temp, "rounds": a.rounds,
                       "prompts": len(texts), "tokens": tokens, "ticks": ticks, "tok_s": round(tokens / wall, 1),
                       "engine_us_per_tick": round((wall - dec) / ticks * 1e6, 1),
+                      **({"policy_us_per_tick": round(policy / ticks * 1e6, 2)} if a.time_policy else {}),
                       "engine_share": round((wall - dec) / wall, 4)}, out)
+
+
+def time_policies(clock: dict[str, float]) -> None:
+    """Add every call of the pool's policies' begin, plan and observe to clock["seconds"] (this process only)."""
+    from ggufspec.policy import Fixed
+    from ggufspec.policy.auto import AutoPolicy
+
+    def timed(call):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                clock["seconds"] += time.perf_counter() - t0
+        return wrapper
+
+    for cls in (Fixed, AutoPolicy):
+        for name in ("begin", "plan", "observe"):
+            setattr(cls, name, timed(getattr(cls, name)))
 
 
 def main() -> None:
@@ -165,6 +194,7 @@ def main() -> None:
     ap.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers on the GPU, both models (-1: all)")
     ap.add_argument("--parallel", type=int, default=0, help="N slots of an EnginePool, N prompts at a time")
     ap.add_argument("--rounds", type=int, default=1, help="--parallel: rounds of 2N prompts, the methods in turn")
+    ap.add_argument("--time-policy", action="store_true", help="--parallel: clock the policies' calls too")
     ap.add_argument("--llama-server", help="llama-server built from the same llama.cpp source and flags")
     ap.add_argument("-o", "--out", type=Path)
     a = ap.parse_args()
