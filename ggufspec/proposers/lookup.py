@@ -63,6 +63,9 @@ class AnswerPool:
         return tokens, ends[bisect.bisect_left(codes, code):bisect.bisect_right(codes, code)]
 
 
+_UNSORTED: tuple[list[int], np.ndarray] = ([], np.zeros(0, dtype=np.int64))  # no pairs sorted (never mutated)
+
+
 def _bigrams(first: np.ndarray | int, second: np.ndarray | int) -> np.ndarray | int:
     """One int64 per pair of tokens (SEPARATOR included), elementwise."""
     return ((first + 1) << 32) | (second + 1)
@@ -89,7 +92,7 @@ class LookupProposer(PlainSteps):
         # context, which past a few hundred tokens releases the GIL twice a step (see _longest_latest). A context
         # searched afresh (a prompt) has its pairs sorted at once instead (_sorted: the codes, as a list that bisect
         # reads fast, and where each ends), a third of the time of a dict built token by token; later ones go to _pairs
-        self._sorted: tuple[list[int], np.ndarray] = ([], np.zeros(0, dtype=np.int64))
+        self._sorted: tuple[list[int], np.ndarray] = _UNSORTED
         self._pairs: dict[int, list[int]] = {}
         self._paired = 1  # the first place whose pair is in neither yet
 
@@ -114,7 +117,7 @@ class LookupProposer(PlainSteps):
         if not (m and n >= m and context[:m] == self._seen):
             m = 0
             self._pairs, self._paired = {}, 1
-            self._sorted = ([], self._sorted[1][:0])
+            self._sorted = _UNSORTED
         if n > len(self._buffer):
             grown = np.zeros(max(2 * len(self._buffer), n, 256), dtype=np.int64)
             grown[:m] = self._buffer[:m]
