@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -130,6 +131,17 @@ def mtp_model(tmp_path_factory, tokenizer_fields) -> tuple[Path, Path]:
     return (write_hybrid_gguf(folder / "tiny-qwen35-mtp.gguf", tokenizer_fields, weights, MTP, "qwen35-mtp"),
             write_hybrid_gguf(folder / "tiny-qwen35-draft.gguf", tokenizer_fields, noisy_copy(trunk), no_mtp,
                               "qwen35-draft"))
+
+
+# The same with Qwen3.5's mixture of experts (qwen35moe): routed experts and a shared one in every MLP, the block's too
+MTP_MOE = replace(MTP, arch="qwen35moe")
+
+
+@pytest.fixture(scope="session")
+def mtp_moe_model(tmp_path_factory, tokenizer_fields) -> Path:
+    """A tiny qwen35moe with an MTP block, written once."""
+    path = tmp_path_factory.mktemp("mtp-moe") / "tiny-qwen35moe-mtp.gguf"
+    return write_hybrid_gguf(path, tokenizer_fields, hybrid_weights(MTP_MOE, 49152, seed=0), MTP_MOE, "qwen35moe-mtp")
 
 
 def open_decoder(path: Path, **kw) -> LlamaCppDecoder:

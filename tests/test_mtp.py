@@ -1,5 +1,5 @@
-"""MTP heads: the target's own multi-token-prediction block (Qwen3.5's nextn), on a tiny random qwen35 with one block
-written with gguf-py. The head reads the target's hidden rows as llama.cpp's draft-mtp does, and the text stays the
+"""MTP heads: the target's own multi-token-prediction block (Qwen3.5's nextn), on a tiny random qwen35 (and qwen35moe)
+with one block written with gguf-py. The head reads the target's hidden rows as llama.cpp's draft-mtp does, and the text stays the
 target's own: greedy at every draft length, alone and in a pool, and sampled; where the model has no block or
 llama-cpp-python cannot run it, one line says so and `auto` drafts without it."""
 
@@ -105,6 +105,28 @@ def test_greedy_text_is_the_targets_alone(mtp_model) -> None:
         rollbacks = engine.target.rollbacks
     assert drafted > 200 and 0.2 < kept / drafted < 0.9, (drafted, kept)
     assert all("MTP head" in d for d in decisions) and rollbacks.snapshots > 20, (decisions, rollbacks)
+
+
+def test_a_mixture_of_experts_targets_head_keeps_its_text(mtp_moe_model) -> None:
+    """qwen35moe (Qwen3.5's MoE: routed experts and a shared one in every MLP, the MTP block's too) runs by the same
+    path: `mtp` and `auto` at draft lengths 1-4 give the target's greedy text, the head's guesses kept often; so
+    does `mtp` in a pool of two slots."""
+    target = mtp_moe_model
+    with SpeculativeEngine.load(target, None, DecoderOptions(n_ctx=512), costs=FixedCosts(**CHEAP_HEAD)) as engine:
+        assert engine.mtp is not None
+        drafted, kept, decisions = _greedy(engine, target, ("mtp", "auto"))
+        refs = [engine.generate(p, settings("autoregressive")).tokens for p in PROMPTS]
+    assert drafted > 200 and 0.2 < kept / drafted < 0.9, (drafted, kept)
+    assert all("MTP head" in d for d in decisions), decisions
+    drafted = 0
+    with EnginePool.load(target, None, DecoderOptions(n_ctx=1024), parallel=2, costs=FixedCosts(**CHEAP_HEAD)) as pool:
+        for k in (2, 4):
+            for i, r in pool.stream_many(PROMPTS, settings("mtp", k)):
+                assert not isinstance(r, Exception), r
+                if r.finish_reason is not None:
+                    assert_greedy_equal(target, PROMPTS[i], refs[i], r.result.tokens)
+                    drafted += r.result.stats.drafted
+    assert drafted > 50, drafted
 
 
 def test_auto_drafts_from_whichever_of_the_head_and_a_draft_model_pays(mtp_model) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,6 +105,9 @@ def _finish(w: gguf.GGUFWriter, path: Path, tokenizer: list[gguf.ReaderField], w
 
 # --- hybrid and recurrent architectures -----------------------------------------------------------------------
 
+QWEN35 = ("qwen35", "qwen35moe")  # Qwen3.5/3.6: dense, and mixture of experts
+
+
 @dataclass(frozen=True)
 class HybridConfig:
     """A tiny hybrid (lfm2: short convolutions; qwen35: gated delta nets) or recurrent (mamba2) model: every
@@ -127,6 +131,11 @@ class HybridConfig:
     mtp: bool = False
     trunk: float = 1.0
     mtp_mix: float = 0.1
+    # qwen35moe: each layer's MLP (the MTP block's too) n_expert routed experts of n_ff_exp, n_expert_used a token, and
+    # a gated shared expert of n_ff, instead of the dense one (src/models/qwen35moe.cpp)
+    n_expert: int = 4
+    n_expert_used: int = 2
+    n_ff_exp: int = 64
 
     @property
     def recurrent_layers(self) -> list[bool]:
@@ -150,18 +159,17 @@ def hybrid_weights(cfg: HybridConfig, n_vocab: int, seed: int) -> dict[str, np.n
         p = f"blk.{i}."
         t[p + "attn_norm.weight"] = ones(e)
         if cfg.arch != "mamba2":
-            t |= {p + "ffn_gate.weight": w(ff, e, std=s), p + "ffn_up.weight": w(ff, e, std=s),
-                  p + "ffn_down.weight": w(e, ff, std=1 / np.sqrt(ff)),
-                  p + ("ffn_norm.weight" if cfg.arch == "lfm2" else "post_attention_norm.weight"): ones(e)}
+            t |= mlp(cfg, p, w, 1 / np.sqrt(ff)) | {
+                p + ("ffn_norm.weight" if cfg.arch == "lfm2" else "post_attention_norm.weight"): ones(e)}
         if not recurrent:
-            q_rows = 2 * cfg.n_head * hd if cfg.arch == "qwen35" else e  # qwen35's query carries its gate
+            q_rows = 2 * cfg.n_head * hd if cfg.arch != "lfm2" else e  # qwen35's query carries its gate
             t |= {p + "attn_q.weight": w(q_rows, e, std=s), p + "attn_k.weight": w(cfg.n_head_kv * hd, e, std=s),
                   p + "attn_v.weight": w(cfg.n_head_kv * hd, e, std=s), p + "attn_output.weight": w(e, e, std=s),
                   p + "attn_q_norm.weight": ones(hd), p + "attn_k_norm.weight": ones(hd)}
         elif cfg.arch == "lfm2":
             t |= {p + "shortconv.conv.weight": w(e, 3, std=0.5), p + "shortconv.in_proj.weight": w(3 * e, e, std=s),
                   p + "shortconv.out_proj.weight": w(e, e, std=s)}
-        elif cfg.arch == "qwen35":
+        elif cfg.arch in QWEN35:
             conv = 2 * key_dim + value_dim
             t |= {p + "attn_qkv.weight": w(conv, e, std=s), p + "attn_gate.weight": w(value_dim, e, std=s),
                   p + "ssm_conv1d.weight": w(conv, cfg.d_conv, std=0.5), p + "ssm_dt.bias": w(cfg.dt_rank, std=0.5),
@@ -178,9 +186,25 @@ def hybrid_weights(cfg: HybridConfig, n_vocab: int, seed: int) -> dict[str, np.n
                   p + "ssm_norm.weight": np.ones((cfg.n_group, d_inner // cfg.n_group), np.float32),
                   p + "ssm_out.weight": w(e, d_inner, std=1 / np.sqrt(d_inner))}
     for name in t if cfg.trunk != 1.0 else ():
-        if name.endswith(("attn_output.weight", "ffn_down.weight", "ssm_out.weight")):
+        if name.endswith(("attn_output.weight", "ffn_down.weight", "ffn_down_exps.weight", "ffn_down_shexp.weight",
+                          "ssm_out.weight")):
             t[name] = t[name] * np.float32(cfg.trunk)
     return t | (mtp_block(cfg, rng) if cfg.mtp else {})
+
+
+def mlp(cfg: HybridConfig, p: str, w: Callable[..., np.ndarray], down: float) -> dict[str, np.ndarray]:
+    """Layer `p`'s MLP: dense (gate, up, down), or qwen35moe's routed experts and gated shared expert; `down`: the
+    down projection's scale."""
+    e, ff = cfg.n_embd, cfg.n_ff
+    s = 1 / np.sqrt(e)
+    if cfg.arch != "qwen35moe":
+        return {p + "ffn_gate.weight": w(ff, e, std=s), p + "ffn_up.weight": w(ff, e, std=s),
+                p + "ffn_down.weight": w(e, ff, std=down)}
+    n, fe = cfg.n_expert, cfg.n_ff_exp
+    return {p + "ffn_gate_inp.weight": w(n, e, std=s), p + "ffn_gate_exps.weight": w(n, fe, e, std=s),
+            p + "ffn_up_exps.weight": w(n, fe, e, std=s), p + "ffn_down_exps.weight": w(n, e, fe, std=down),
+            p + "ffn_gate_inp_shexp.weight": w(e, std=s), p + "ffn_gate_shexp.weight": w(ff, e, std=s),
+            p + "ffn_up_shexp.weight": w(ff, e, std=s), p + "ffn_down_shexp.weight": w(e, ff, std=down)}
 
 
 def mtp_block(cfg: HybridConfig, rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -199,8 +223,7 @@ def mtp_block(cfg: HybridConfig, rng: np.random.Generator) -> dict[str, np.ndarr
             p + "attn_q.weight": w(2 * cfg.n_head * hd, e, std=s), p + "attn_k.weight": w(cfg.n_head_kv * hd, e, std=s),
             p + "attn_v.weight": w(cfg.n_head_kv * hd, e, std=s), p + "attn_output.weight": w(e, e, std=0.1 * s),
             p + "attn_q_norm.weight": ones(hd), p + "attn_k_norm.weight": ones(hd),
-            p + "ffn_gate.weight": w(ff, e, std=s), p + "ffn_up.weight": w(ff, e, std=s),
-            p + "ffn_down.weight": w(e, ff, std=0.1 / np.sqrt(ff)),
+            **mlp(cfg, p, w, 0.1 / np.sqrt(ff)),
             p + "nextn.eh_proj.weight": np.concatenate([(1 - mix) * eye, mix * eye], 1) + w(e, 2 * e, std=0.002),
             p + "nextn.enorm.weight": ones(e), p + "nextn.hnorm.weight": ones(e),
             p + "nextn.shared_head_norm.weight": ones(e)}
@@ -228,13 +251,18 @@ def write_hybrid_gguf(path: Path, tokenizer: list[gguf.ReaderField], weights: di
     else:
         ssm = {"conv_kernel": cfg.d_conv, "state_size": cfg.d_state, "group_count": cfg.n_group,
                "time_step_rank": cfg.dt_rank}
-        if cfg.arch == "qwen35":
+        if cfg.arch in QWEN35:
             w.add_feed_forward_length(cfg.n_ff)
             w.add_head_count(cfg.n_head)
             w.add_head_count_kv(cfg.n_head_kv)
-            w.add_uint32("qwen35.full_attention_interval", cfg.interval)
-            w.add_array("qwen35.rope.dimension_sections", [hd // 8] * 4)
+            w.add_uint32(f"{cfg.arch}.full_attention_interval", cfg.interval)
+            w.add_array(f"{cfg.arch}.rope.dimension_sections", [hd // 8] * 4)
             ssm["inner_size"] = cfg.d_state * cfg.dt_rank
+            if cfg.arch == "qwen35moe":
+                w.add_expert_count(cfg.n_expert)
+                w.add_expert_used_count(cfg.n_expert_used)
+                w.add_expert_feed_forward_length(cfg.n_ff_exp)
+                w.add_expert_shared_feed_forward_length(cfg.n_ff)
         else:
             ssm["inner_size"] = 2 * cfg.n_embd
         for key, value in ssm.items():
