@@ -1,7 +1,7 @@
 """MTP heads: the target's own multi-token-prediction block (Qwen3.5's nextn), on a tiny random qwen35 (and qwen35moe)
-with one block written with gguf-py. The head reads the target's hidden rows as llama.cpp's draft-mtp does, and the text stays the
-target's own: greedy at every draft length, alone and in a pool, and sampled; where the model has no block or
-llama-cpp-python cannot run it, one line says so and `auto` drafts without it."""
+with one block written with gguf-py. The head reads the target's hidden rows as llama.cpp's draft-mtp does, and the
+text stays the target's own: greedy at every draft length, alone and in a pool, and sampled; where the model has no
+block or llama-cpp-python cannot run it, one line says so and `auto` drafts without it."""
 
 from __future__ import annotations
 
