@@ -110,9 +110,9 @@ QWEN35 = ("qwen35", "qwen35moe")  # Qwen3.5/3.6: dense, and mixture of experts
 
 @dataclass(frozen=True)
 class HybridConfig:
-    """A tiny hybrid (lfm2: short convolutions; qwen35: gated delta nets) or recurrent (mamba2) model: every
-    `interval`-th layer attention, the others recurrent (mamba2: all recurrent). Head size 32, so llama.cpp's default
-    q8_0 cache fits."""
+    """A tiny hybrid (lfm2: short convolutions; qwen35: gated delta nets; qwen35moe: the same with experts) or
+    recurrent (mamba2) model: every `interval`-th layer attention, the others recurrent (mamba2: all recurrent). Head
+    size 32, so llama.cpp's default q8_0 cache fits."""
 
     arch: str
     n_embd: int = 64
