@@ -54,6 +54,7 @@ class Decoder(Protocol):
     last_batch: BatchShape
     lane: int
     peers: int  # a slot's: the other slots generating in its context now
+    last_tick: int  # a slot's: the number of its context's last batch (BatchShape.tick); -1 on a context of its own
     n_deferred: int  # the history's last tokens not in the memory yet: the next feed decodes them in front
 
     def feed(self, tokens: Sequence[int], all_logits: bool = True, view: bool = False) -> np.ndarray:

@@ -352,7 +352,8 @@ class SpeculativeEngine:
         if auto is None or auto.k_max != s.draft_max or auto.costs is not self.costs or auto.sizer is not sizer:
             target = self.target
             auto = self._auto[model, mtp] = AutoPolicy(self.costs, s.draft_max, model, sizer, mtp, self.slot_records,
-                                                       peers=lambda: target.peers)
+                                                       peers=lambda: target.peers,
+                                                       last_tick=lambda: target.last_tick)
         return auto
 
     def reset(self) -> None:

@@ -39,7 +39,7 @@ from .rpc import Endpoint, check, parse_endpoints
 STATE = ("n_ctx", "n_ubatch", "kv_type", "kv_type_v", "decode_seconds", "n_decodes", "n_decoded_tokens",
          "n_batched_tokens", "last_batch", "n_shifts", "n_deferred", "shift_keep", "hold_seconds")
 SETTABLE = ("shift_keep",)  # attributes the engine sets, forwarded to the child
-STATIC = ("weight_buffers", "cpu_backend", "n_embd", "lane", "peers", "memory", "n_rs_seq")
+STATIC = ("weight_buffers", "cpu_backend", "n_embd", "lane", "peers", "last_tick", "memory", "n_rs_seq")
 LOAD_SECONDS = 600.0  # a load sends the weights over the network: bounded, but generously
 _ABORTED = 70  # the child's exit status after llama.cpp's abort callback ran
 

@@ -47,6 +47,11 @@ class LockstepSlot:
         """Other slots generating in this shared context now (0 on a context of its own)."""
         return self._lockstep.others() if self._lockstep is not None else 0
 
+    @property
+    def last_tick(self) -> int:
+        """The number of the last batch run in this shared context (BatchShape.tick; -1 on a context of its own)."""
+        return self._lockstep.n_ticks - 1 if self._lockstep is not None else -1
+
 
 class DecodeSteps:
     """Default decode coroutines for a decoder whose decodes never wait on a tick (a context of its own, a child

@@ -529,8 +529,8 @@ def test_a_slot_s_quiet_run_counts_its_steps_as_asking_each_one_would(tiny_draft
 
 class QuietPool:
     """8 slots on `auto` at the Xeon's prices, where nothing pays beside 7 busy slots (drafts kept 70% of the time), on
-    the tiny draft (or on lookup alone): `run` steps them all, each tick's batch `lanes` (every slot's step plain), and `priced` holds the
-    tick of every batch price worked out meanwhile."""
+    the tiny draft (or on lookup alone), begun together after batch 0: `run` steps them all, each tick's batch `lanes`
+    (every slot's step plain), and `priced` holds the tick of every batch price worked out meanwhile."""
 
     def __init__(self, draft: DraftModelProposer | None) -> None:
         self.pool = replace(XEON_POOL, slots=8, slot_verify=[0.232, 0.30, 0.36], draft_sizes=[8],
@@ -545,7 +545,8 @@ class QuietPool:
         self.pool.padded_seconds = counted
         records, self.context = SlotRecords(), [1, 17, 29, 301]
         model = draft is not None
-        self.slots = [AutoPolicy(self.pool, 4, model=model, slot_records=records, peers=lambda: 7) for _ in range(8)]
+        self.slots = [AutoPolicy(self.pool, 4, model=model, slot_records=records, peers=lambda: 7,
+                                 last_tick=lambda: self.tick) for _ in range(8)]
         n_vocab = draft.n_vocab if model else 512
         self.proposers = [begin(auto, LookupProposer(n_vocab), draft, self.context) for auto in self.slots]
 
@@ -592,6 +593,29 @@ def test_a_slot_searches_for_lookup_guesses_where_the_best_length_kept_whole_wou
     assert lookup.searches == pays and auto.unsearched == (not pays)
     if len(lanes) == 10:
         assert pays and max(rate(k, k + 1.0, free=True) for k in range(1, 5)) < SHARED_GAIN * rate(0, 1.0)
+
+
+def test_slots_starting_together_price_the_pool_s_plan_once_and_step_quiet_from_their_first_step(tiny_draft) -> None:
+    """Generations that begin together beside each other (a batch job's first prompts, a pool's slots refilled at
+    once) begin as of the pool's last batch: the first prices the pool's plan, the others take it at their start;
+    once the first slot's first step has worked out that no lookup guess pays there, the others' first steps are
+    plain unpriced. (Each priced its own start and first step before, and two of them drafted at their first.)"""
+    with open_decoder(tiny_draft) as d:
+        pool = QuietPool(DraftModelProposer(d, d.n_vocab, SamplingParams(), None))
+        pool.run(range(1, 5))
+        pool.priced.clear()
+        priced = []
+        pool.tick = 9  # the next generations begin together after batch 9
+        for auto, proposers in zip(pool.slots, pool.proposers):
+            assert auto.begin(pool.context, proposers) == set()
+            priced.append(len(pool.priced))
+        assert priced[0] and set(priced) == {priced[0]}, priced  # the first priced the pool's plan, the others took it
+        pool.priced.clear()
+        assert not any(p.source for p in pool.run(range(10, 11), stepping=(0,)))
+        assert pool.priced  # the first slot's first step: whether a lookup guess could pay beside the others
+        pool.priced.clear()
+        assert not any(p.source for p in pool.run(range(10, 11), stepping=tuple(range(1, 8))))
+        assert not pool.priced
 
 
 def test_a_pool_s_plan_stands_through_a_slot_s_uneven_step_and_a_generation_joining(tiny_draft) -> None:

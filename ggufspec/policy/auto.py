@@ -48,9 +48,10 @@ class AutoPolicy:
 
     def __init__(self, costs: CostModel, k_max: int, model: bool, sizer: TreeSizer | None = None,
                  mtp: bool = False, slot_records: SlotRecords | None = None,
-                 peers: Callable[[], int] = lambda: 0) -> None:
+                 peers: Callable[[], int] = lambda: 0, last_tick: Callable[[], int] = lambda: -1) -> None:
         """`sizer`: Medusa's tree sizer (its heads draft too); `mtp`: the target's MTP head drafts; `slot_records`:
-        a pool's, shared by its slots' policies; `peers`: how many other slots generate now (read at begin)."""
+        a pool's, shared by its slots' policies; `peers`: how many other slots generate now, and `last_tick`: the
+        pool's last batch's number (both read at begin)."""
         self.k_max, self.sizer = k_max, sizer
         self.context_costs = slot_records.context_costs(costs) if slot_records else ContextCosts(costs)
         # each kind of lookup match keeps its own record: a copy's guesses are kept far more often than a chance
@@ -78,7 +79,7 @@ class AutoPolicy:
         self.lanes: tuple[int, ...] = ()
         self.lane = 0
         self.tick = -1  # the last target batch's number (-1: none yet, or one of its own)
-        self._peers = peers
+        self._peers, self._last_tick = peers, last_tick
         self.peers = 0  # other slots generating when this generation began
         self.slot_records = slot_records
         pool = slot_records
@@ -248,18 +249,12 @@ class AutoPolicy:
         self.steps, self.guessed, self.unsearched = {None: 1}, 0, 0
         self.peers = self._peers()
         self.lanes, self.lane = ((1,) * (1 + self.peers), 0) if self.peers else ((), 0)
-        self.tick = -1
+        # priced as of the pool's last batch, where no plan for it is there to join: slots starting together price once
+        self.tick = self._last_tick() if self.peers else -1
         self._tick_plan = None
-        if not self._join(len(prompt) + 1):
-            self.price_at(len(prompt) + 1)
-        return {name for name, record, _ in self.models() if self._proposer(name) is not None and record.planned() > 0}
-
-    def uses_model(self, n_ctx: int | None = None) -> bool:
-        """Whether a drafting model (the draft model, the MTP head) drafts at this point, or after n_ctx tokens of
-        context (probes aside)."""
-        if n_ctx is not None:
-            self.price_at(n_ctx)
-        return any(record.planned() > 0 for _, record, _ in self.models())
+        planned = self._tick_plan.planned if self._join(len(prompt) + 1) else self.price_at(len(prompt) + 1)
+        return {name for name, record, _ in self.models() if self._proposer(name) is not None
+                and (record.planned() if planned is None else planned[name]) > 0}
 
     def _proposer(self, name: str) -> Proposer | None:
         return self.model if name == "draft" else self.mtp
