@@ -86,13 +86,14 @@ def run_ggufspec(engine, prompt: str, method: str, temperature: float, n: int, s
 
 
 def llama_server_row(binary: str, target: Path, draft: Path | None, spec: str, temperature: float, n: int,
-                     texts: list[str], threads: int, seed: int) -> dict:
-    """llama.cpp's own loop on the same model: ms per generated token (its timings), median over the prompts."""
+                     texts: list[str], threads: int, seed: int, kv: tuple[str, str]) -> dict:
+    """llama.cpp's own loop on the same model: ms per generated token (its timings), median over the prompts; `kv`:
+    ggufspec's K and V cache types (its V type is this CPU's choice: another would compute other logits)."""
     port = free_port()
     cmd = [binary, "-m", str(target), "--port", str(port), "-c", "4096", "-np", "1", "-t", str(threads),
-           "-tb", str(threads), "-fa", "on", "-ctk", "q8_0", "-ctv", "f16", "--no-warmup"]
+           "-tb", str(threads), "-fa", "on", "-ctk", kv[0], "-ctv", kv[1], "--no-warmup"]
     if draft is not None:
-        cmd += ["-md", str(draft), "-ctkd", "q8_0", "-ctvd", "f16", "-td", str(threads), "-tbd", str(threads)]
+        cmd += ["-md", str(draft), "-ctkd", kv[0], "-ctvd", kv[1], "-td", str(threads), "-tbd", str(threads)]
     if spec:
         cmd += ["--spec-type", spec]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -221,6 +222,7 @@ def main() -> None:
     engine = SpeculativeEngine.load(a.target, a.draft, options)
     engine.answers = None  # every prompt once: no earlier answers to look up, as llama-server has none
     decode_ms: dict[float, float] = {}
+    kv = (engine.target.kv_type, engine.target.kv_type_v)
     try:
         for method in a.methods.split(","):
             for temp in temps:
@@ -250,7 +252,7 @@ def main() -> None:
     if a.llama_server:
         for label, draft, spec in (("none", None, ""), ("draft-simple", a.draft, "draft-simple")):
             for temp in temps:
-                row = llama_server_row(a.llama_server, a.target, draft, spec, temp, a.n, texts, a.threads, 0)
+                row = llama_server_row(a.llama_server, a.target, draft, spec, temp, a.n, texts, a.threads, 0, kv)
                 if not spec and temp in decode_ms:  # its loop's time per token beyond ggufspec's measured decode
                     row["overhead_us_vs_decode"] = round((row["ms_per_token"] - decode_ms[temp]) * 1e3, 1)
                 emit({"engine": "llama-server", "spec": label, "temperature": temp, **row}, out)
