@@ -113,10 +113,9 @@ class SharedBatch(Prices):
                 lanes, slots = tuple([k + 1 if n else 0 for n in self.lanes]), self.busy
                 draft = base.draft_seconds(slots) if k and not free else 0.0
             else:
-                lanes, slots, draft = tuple(self.lanes), 1, base.draft
+                lanes, slots, draft = tuple(self.lanes), 1, 0.0 if free else base.draft
             longest = len(base.verify)  # a step's chain: as the pool pads (draft_max + 1)
-            seconds = (k * (0.0 if free else draft) + base.padded_seconds(lanes, longest)
-                       + base.holds(k, free, slots))
+            seconds = k * draft + base.padded_seconds(lanes, longest) + base.holds(k, free, slots)
             self._steps[k, free] = seconds
         return seconds
 

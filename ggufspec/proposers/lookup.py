@@ -133,7 +133,7 @@ class LookupProposer(PlainSteps):
         ends = None
         if n_max >= 2:  # where an earlier occurrence of the tail's last two tokens ends
             last = len(context) - 1
-            if self._paired == 1 and last > 1:
+            if self._paired == 1:  # (a context of 3 tokens at least: one pair before the tail's)
                 codes = _bigrams(ctx[: last - 1], ctx[1:last])
                 order = np.argsort(codes, kind="stable")  # (stable: each code's ends ascending)
                 self._sorted, self._paired = (codes[order].tolist(), order + 1), last
