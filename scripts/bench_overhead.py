@@ -9,7 +9,8 @@ share of generation time.
 With --parallel N, it runs N slots of an EnginePool instead, N prompts at a time (`stream_many`, 2N prompts a
 method and temperature a round; --rounds R rounds, the methods in turn), and reports the engine's share of the pool's
 time: the wall time less every tick's decode time (lockstep.Lockstep.decode_seconds), which is the slots' Python
-steps between ticks and the last ones' tails. Ratios of methods are steadiest from one process's rounds:
+steps between ticks and the last ones' tails. Ratios of methods are steadiest from one process's rounds, and
+steadier still at one decode speed (`vs_<first method>_same_decode`: see same_decode_ratios):
 
     python scripts/bench_overhead.py --tiny /tmp/ov --parallel 8 --methods autoregressive,auto --temps 0 --rounds 6
 
@@ -140,10 +141,12 @@ def pool_share(a: argparse.Namespace, temps: list[float], out) -> None:
             settings = {m: GenerationSettings(max_tokens=a.n, method=m, sampling=SamplingParams(temp), seed=0)
                         for m in methods}
             totals = {m: [0, 0.0, 0.0, 0, 0.0] for m in methods}  # tokens, wall, decode seconds, ticks, policy
+            rounds: list[dict[str, tuple[float, float, int]]] = []  # each round's (engine, decode) seconds, ticks
             for m in methods:
                 for _ in pool.stream_many(prompts(n), settings[m]):  # warm-up (and auto's cost model)
                     pass
             for r in range(a.rounds):
+                rounds.append({})
                 for m in methods if r % 2 == 0 else methods[::-1]:
                     t0, dec0, ticks0 = time.perf_counter(), lock.decode_seconds, lock.n_ticks
                     clock["seconds"] = 0.0
@@ -155,12 +158,32 @@ def pool_share(a: argparse.Namespace, temps: list[float], out) -> None:
                     t[2] += lock.decode_seconds - dec0
                     t[3] += lock.n_ticks - ticks0
                     t[4] += clock["seconds"]
+                    wall, dec = time.perf_counter() - t0, lock.decode_seconds - dec0
+                    rounds[-1][m] = (wall - dec, dec, lock.n_ticks - ticks0)
             for m, (tokens, wall, dec, ticks, policy) in totals.items():
+                same = same_decode_ratios(rounds, methods[0], m)
                 emit({"engine": "ggufspec", "parallel": n, "method": m, "temperature": temp, "rounds": a.rounds,
                       "prompts": len(texts), "tokens": tokens, "ticks": ticks, "tok_s": round(tokens / wall, 1),
                       "engine_us_per_tick": round((wall - dec) / ticks * 1e6, 1),
                       **({"policy_us_per_tick": round(policy / ticks * 1e6, 2)} if a.time_policy else {}),
-                      "engine_share": round((wall - dec) / wall, 4)}, out)
+                      "engine_share": round((wall - dec) / wall, 4),
+                      **({f"vs_{methods[0]}_same_decode": round(statistics.median(same), 4),
+                          "rounds_same_decode": [round(x, 4) for x in sorted(same)]} if same else {})}, out)
+
+
+def same_decode_ratios(rounds: list[dict[str, tuple[float, float, int]]], base: str, m: str) -> list[float]:
+    """Per round where `m` ran as many ticks as `base` (within 0.5%: the same batches, as `auto` where nothing
+    drafts), m's speed over base's had both decoded at one speed: (1 + e_base/d_base) / (1 + e_m/d_m), e and d a
+    tick's engine and decode seconds. A VM's speed moves a round's decode and engine time alike, by 3-5% from one
+    round to the next (more than a policy's share of a tick); their ratio moves far less."""
+    if m == base:
+        return []
+    same = []
+    for r in rounds:
+        (eb, db, tb), (em, dm, tm) = r[base], r[m]
+        if tb and db and dm and abs(tm - tb) <= 0.005 * tb:
+            same.append((1 + eb / db) / (1 + em / dm))
+    return same
 
 
 def time_policies(clock: dict[str, float]) -> None:
