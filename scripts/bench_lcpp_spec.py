@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """llama.cpp's own speculative decoding (`llama-speculative-simple`, a binary you built) on the prompts `ggufspec
-bench` runs, for a comparison within one run (docs/mtp.md, "Measured").
+bench` runs, for a comparison within one run (docs/mtp.md, "What it costs").
 
 Each prompt is read as `ggufspec bench -p FILE --per-category N` reads it and rendered into token ids by the engine
 (chat messages through the GGUF's template); the same ids go into PROMPTS.jsonl for `ggufspec bench` (`prompt` as a

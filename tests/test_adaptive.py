@@ -1098,7 +1098,8 @@ def test_the_draft_model_is_not_started_where_its_catch_up_cannot_pay(tiny_draft
 def test_a_probe_catches_up_only_where_the_tokens_left_can_afford_it(tiny_draft) -> None:
     """A probe's catching up is what exploring costs: at most a tenth of the plain steps left (and less than those
     between two probes). After a long prompt, a short answer is not made to pay the drafter's catch-up for a probe
-    (docs/mtp.md: the MTP head caught up for a probe on a RAG prompt, 0.93x autoregressive); a long one is."""
+    (docs/methods.md, PROBE_CATCH_UP_SHARE: the MTP head caught up for a probe on a RAG prompt, 0.93x
+    autoregressive); a long one is."""
     greedy, rng = SamplingParams(), np.random.default_rng(0)
     fast = CostModel([0.082, 0.138, 0.194, 0.131], 0.012)  # where the draft model pays
     with open_decoder(tiny_draft) as d:

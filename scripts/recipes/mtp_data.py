@@ -2,7 +2,7 @@
 """An MTP benchmark target, step 1 of 2 (step 2: mtp_train.py): a small random Qwen3.5-architecture model B and its
 own greedy text, with its hidden row (`h_nextn`: the last layer's output after the final norm) at every position.
 
-Why this target (docs/mtp.md, "Measured"): no small Qwen3.5 with a trained MTP block can be downloaded here, and a
+Why this target (docs/mtp.md, "What it costs"): no small Qwen3.5 with a trained MTP block can be downloaded here, and a
 random deep model's next-but-one token is chaos, which no head can learn: its MTP acceptance would mean nothing. B is
 make_hybrid_bench_pair.py's base (12 layers, every 4th attention, 384 wide, SmolLM2's vocabulary) with what each
 layer adds to the residual stream scaled by `--trunk`: at 1.0 (that script's) the text is chaos; near 0 it is a fixed
