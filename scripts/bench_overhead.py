@@ -152,14 +152,14 @@ def pool_share(a: argparse.Namespace, temps: list[float], out) -> None:
                     clock["seconds"] = 0.0
                     tokens = sum(x.token is not None for _, x in pool.stream_many(texts, settings[m])
                                  if not isinstance(x, Exception))
+                    wall, dec, ticks = time.perf_counter() - t0, lock.decode_seconds - dec0, lock.n_ticks - ticks0
                     t = totals[m]
                     t[0] += tokens
-                    t[1] += time.perf_counter() - t0
-                    t[2] += lock.decode_seconds - dec0
-                    t[3] += lock.n_ticks - ticks0
+                    t[1] += wall
+                    t[2] += dec
+                    t[3] += ticks
                     t[4] += clock["seconds"]
-                    wall, dec = time.perf_counter() - t0, lock.decode_seconds - dec0
-                    rounds[-1][m] = (wall - dec, dec, lock.n_ticks - ticks0)
+                    rounds[-1][m] = (wall - dec, dec, ticks)
             for m, (tokens, wall, dec, ticks, policy) in totals.items():
                 same = same_decode_ratios(rounds, methods[0], m)
                 emit({"engine": "ggufspec", "parallel": n, "method": m, "temperature": temp, "rounds": a.rounds,
