@@ -119,6 +119,10 @@ def llama_server_row(binary: str, target: Path, draft: Path | None, spec: str, t
         stop(proc)
 
 
+# a method's round in the pool: tokens, wall seconds, decode seconds, ticks, policy seconds
+Round = tuple[int, float, float, int, float]
+
+
 def pool_share(a: argparse.Namespace, temps: list[float], out) -> None:
     """--parallel: per temperature, 2N prompts through N slots a round, the methods in turn (in reverse every other
     round: a drift of the machine's speed weighs on each alike); per method, the totals over `--rounds` rounds and
@@ -140,8 +144,7 @@ def pool_share(a: argparse.Namespace, temps: list[float], out) -> None:
         for temp in temps:
             settings = {m: GenerationSettings(max_tokens=a.n, method=m, sampling=SamplingParams(temp), seed=0)
                         for m in methods}
-            totals = {m: [0, 0.0, 0.0, 0, 0.0] for m in methods}  # tokens, wall, decode seconds, ticks, policy
-            rounds: list[dict[str, tuple[float, float, int]]] = []  # each round's (engine, decode) seconds, ticks
+            rounds: list[dict[str, Round]] = []
             for m in methods:
                 for _ in pool.stream_many(prompts(n), settings[m]):  # warm-up (and auto's cost model)
                     pass
@@ -152,15 +155,10 @@ def pool_share(a: argparse.Namespace, temps: list[float], out) -> None:
                     clock["seconds"] = 0.0
                     tokens = sum(x.token is not None for _, x in pool.stream_many(texts, settings[m])
                                  if not isinstance(x, Exception))
-                    wall, dec, ticks = time.perf_counter() - t0, lock.decode_seconds - dec0, lock.n_ticks - ticks0
-                    t = totals[m]
-                    t[0] += tokens
-                    t[1] += wall
-                    t[2] += dec
-                    t[3] += ticks
-                    t[4] += clock["seconds"]
-                    rounds[-1][m] = (wall - dec, dec, ticks)
-            for m, (tokens, wall, dec, ticks, policy) in totals.items():
+                    rounds[-1][m] = (tokens, time.perf_counter() - t0, lock.decode_seconds - dec0,
+                                     lock.n_ticks - ticks0, clock["seconds"])
+            for m in methods:
+                tokens, wall, dec, ticks, policy = (sum(col) for col in zip(*(r[m] for r in rounds)))
                 same = same_decode_ratios(rounds, methods[0], m)
                 emit({"engine": "ggufspec", "parallel": n, "method": m, "temperature": temp, "rounds": a.rounds,
                       "prompts": len(texts), "tokens": tokens, "ticks": ticks, "tok_s": round(tokens / wall, 1),
@@ -171,18 +169,18 @@ def pool_share(a: argparse.Namespace, temps: list[float], out) -> None:
                           "rounds_same_decode": [round(x, 4) for x in sorted(same)]} if same else {})}, out)
 
 
-def same_decode_ratios(rounds: list[dict[str, tuple[float, float, int]]], base: str, m: str) -> list[float]:
+def same_decode_ratios(rounds: list[dict[str, Round]], base: str, m: str) -> list[float]:
     """Per round where `m` ran as many ticks as `base` (within 0.5%: the same batches, as `auto` where nothing
-    drafts), m's speed over base's had both decoded at one speed: (1 + e_base/d_base) / (1 + e_m/d_m), e and d a
-    tick's engine and decode seconds. A VM's speed moves a round's decode and engine time alike, by 3-5% from one
+    drafts), m's speed over base's had both decoded at one speed: (1 + e_base/d_base) / (1 + e_m/d_m), e and d the
+    round's engine and decode seconds. A VM's speed moves a round's decode and engine time alike, by 3-5% from one
     round to the next (more than a policy's share of a tick); their ratio moves far less."""
     if m == base:
         return []
     same = []
     for r in rounds:
-        (eb, db, tb), (em, dm, tm) = r[base], r[m]
+        (_, wb, db, tb, _), (_, wm, dm, tm, _) = r[base], r[m]
         if tb and db and dm and abs(tm - tb) <= 0.005 * tb:
-            same.append((1 + eb / db) / (1 + em / dm))
+            same.append((wb / db) / (wm / dm))  # (1 + e/d) = wall / decode
     return same
 
 
