@@ -7,6 +7,11 @@ no run finds its prompts cached by an earlier one, as no real workload would), a
 clients): aggregate generated tok/s, p50/p95 time to first token, median per-request tok/s, and the texts (to check
 that every server gives the same greedy text). Servers run one after another, client counts alternate across rounds.
 
+With --interleave every server runs at once (idle but one) and each round sends its prompts to each server in turn,
+the order rotated round by round: a VM whose speed moves by 5-30% from one server's whole run to the next moves far
+less within a round, so each round's tok/s over the first server's is the steadier ratio (`vs_<first>`: the median
+of the rounds', with their range).
+
     python scripts/bench_parallel.py --clients 1,2,4,8 --rounds 1 -n 128 \\
         --server "ggufspec-auto=python -m ggufspec.cli serve -m T.gguf -md D.gguf --port {port} -np 8" \\
         --server "llama-server=/tmp/llama-server -m T.gguf --port {port} -np 8"
@@ -114,7 +119,7 @@ def run_clients(port: int, clients: int, per_client: int, max_tokens: int, tempe
     wall = time.perf_counter() - t0
     rs = [results[i] for i in sorted(results)]
     ttft = sorted(r["ttft"] for r in rs)
-    return {"clients": clients, "requests": len(rs), "wall_s": round(wall, 2),
+    return {"clients": clients, "requests": len(rs), "tokens": sum(r["tokens"] for r in rs), "wall_s": round(wall, 2),
             "tok_s": round(sum(r["tokens"] for r in rs) / wall, 2),
             "ttft_p50": round(statistics.median(ttft), 3), "ttft_p95": round(ttft[math.ceil(0.95 * (len(ttft) - 1))], 3),
             "req_tok_s_median": round(statistics.median(r["tokens"] / r["seconds"] for r in rs), 2),
@@ -147,27 +152,77 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--ignore-eos", action="store_true",
                     help="every answer runs to -n tokens (llama-server's ignore_eos): sampled runs of equal lengths")
+    ap.add_argument("--interleave", action="store_true",
+                    help="run every server at once, each round's prompts to each in turn (steadier ratios)")
     ap.add_argument("-o", "--output", default=None, help="append the JSON lines here too")
     a = ap.parse_args()
     levels = [int(x) for x in a.clients.split(",")]
     extra = {"ignore_eos": True} if a.ignore_eos else {}
     out = open(a.output, "a") if a.output else None
-    for name, _, command in (s.partition("=") for s in a.server):
-        port = free_port()
-        proc = subprocess.Popen(shlex.split(command.format(port=port)), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
+    servers = [(name, command) for name, _, command in (s.partition("=") for s in a.server)]
+    if a.interleave:
+        interleaved(a, servers, levels, extra, out)
+        return
+    for name, command in servers:
+        port, proc = start_server(command)
         try:
-            wait_healthy(port, proc)
-            one_request(port, "Hello", 8, 0.0, 0)  # warm-up (the cost model's first measurement, caches)
             start = 0  # every run gets prompts of its own: none finds its prompt cached by an earlier run
             for r in range(a.rounds):
                 for c in (levels if r % 2 == 0 else levels[::-1]):
-                    row = {"server": name, "round": r, "temperature": a.temperature, "max_tokens": a.max_tokens,
-                           "ignore_eos": a.ignore_eos,
-                           **run_clients(port, c, a.requests_per_client, a.max_tokens, a.temperature, start, extra)}
+                    emit(row(a, name, r, run_clients(port, c, a.requests_per_client, a.max_tokens, a.temperature,
+                                                     start, extra)), out)
                     start += c * a.requests_per_client
-                    emit(row, out)
         finally:
+            stop(proc)
+
+
+def start_server(command: str) -> tuple[int, subprocess.Popen]:
+    """The server `command` ({port} filled in) on a free port, healthy and warmed up (the cost model's first
+    measurement, caches)."""
+    port = free_port()
+    proc = subprocess.Popen(shlex.split(command.format(port=port)), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        wait_healthy(port, proc)
+        one_request(port, "Hello", 8, 0.0, 0)
+    except BaseException:
+        stop(proc)
+        raise
+    return port, proc
+
+
+def row(a: argparse.Namespace, name: str, r: int, result: dict) -> dict:
+    return {"server": name, "round": r, "temperature": a.temperature, "max_tokens": a.max_tokens,
+            "ignore_eos": a.ignore_eos, **result}
+
+
+def interleaved(a: argparse.Namespace, servers: list[tuple[str, str]], levels: list[int], extra: dict, out) -> None:
+    """--interleave: every server started, then each round's prompts sent to each in turn (the order rotated);
+    per client count, one summary line a server: its total tok/s and its rounds' tok/s over the first server's."""
+    procs: list[tuple[str, int, subprocess.Popen]] = []
+    try:
+        for name, command in servers:
+            procs.append((name, *start_server(command)))
+        runs: dict[tuple[str, int], list[dict]] = {}
+        start = 0
+        for r in range(a.rounds):
+            for c in (levels if r % 2 == 0 else levels[::-1]):
+                for name, port, _ in procs[r % len(procs):] + procs[: r % len(procs)]:
+                    result = run_clients(port, c, a.requests_per_client, a.max_tokens, a.temperature, start, extra)
+                    runs.setdefault((name, c), []).append(result)
+                    emit(row(a, name, r, result), out)
+                start += c * a.requests_per_client
+        first = procs[0][0]
+        for c in levels:
+            for name, _, _ in procs:
+                mine, base = runs[name, c], runs[first, c]
+                ratios = sorted(m["tok_s"] / b["tok_s"] for m, b in zip(mine, base))
+                emit({"server": name, "clients": c, "rounds": a.rounds,
+                      "tok_s": round(sum(m["tokens"] for m in mine) / sum(m["wall_s"] for m in mine), 2),
+                      **({f"vs_{first}": round(statistics.median(ratios), 4), "rounds_vs": [round(x, 3) for x in ratios]}
+                         if name != first else {})}, out)
+    finally:
+        for _, _, proc in procs:
             stop(proc)
 
 
