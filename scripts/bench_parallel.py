@@ -119,8 +119,9 @@ def run_clients(port: int, clients: int, per_client: int, max_tokens: int, tempe
     wall = time.perf_counter() - t0
     rs = [results[i] for i in sorted(results)]
     ttft = sorted(r["ttft"] for r in rs)
-    return {"clients": clients, "requests": len(rs), "tokens": sum(r["tokens"] for r in rs), "wall_s": round(wall, 2),
-            "tok_s": round(sum(r["tokens"] for r in rs) / wall, 2),
+    tokens = sum(r["tokens"] for r in rs)
+    return {"clients": clients, "requests": len(rs), "tokens": tokens, "wall_s": round(wall, 2),
+            "tok_s": round(tokens / wall, 2),
             "ttft_p50": round(statistics.median(ttft), 3), "ttft_p95": round(ttft[math.ceil(0.95 * (len(ttft) - 1))], 3),
             "req_tok_s_median": round(statistics.median(r["tokens"] / r["seconds"] for r in rs), 2),
             "texts": [r["text"] for r in rs]}
@@ -219,8 +220,8 @@ def interleaved(a: argparse.Namespace, servers: list[tuple[str, str]], levels: l
                 ratios = sorted(m["tok_s"] / b["tok_s"] for m, b in zip(mine, base))
                 emit({"server": name, "clients": c, "rounds": a.rounds,
                       "tok_s": round(sum(m["tokens"] for m in mine) / sum(m["wall_s"] for m in mine), 2),
-                      **({f"vs_{first}": round(statistics.median(ratios), 4), "rounds_vs": [round(x, 3) for x in ratios]}
-                         if name != first else {})}, out)
+                      **({f"vs_{first}": round(statistics.median(ratios), 4),
+                          "rounds_vs": [round(x, 3) for x in ratios]} if name != first else {})}, out)
     finally:
         for _, _, proc in procs:
             stop(proc)
