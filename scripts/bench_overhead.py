@@ -180,8 +180,14 @@ def same_decode_ratios(rounds: list[dict[str, Round]], base: str, m: str) -> lis
     for r in rounds:
         (_, wb, db, tb, _), (_, wm, dm, tm, _) = r[base], r[m]
         if tb and db and dm and abs(tm - tb) <= 0.005 * tb:
-            same.append((wb / db) / (wm / dm))  # (1 + e/d) = wall / decode
+            same.append(at_one_decode_speed(wb, db, wm, dm))
     return same
+
+
+def at_one_decode_speed(wall_base: float, decode_base: float, wall: float, decode: float) -> float:
+    """A run's speed over the base run's had both decoded at one speed, where both decoded the same batches:
+    (1 + e_base/d_base) / (1 + e/d), e and d each run's engine and decode seconds (1 + e/d = wall / decode)."""
+    return (wall_base / decode_base) / (wall / decode)
 
 
 def time_policies(clock: dict[str, float]) -> None:

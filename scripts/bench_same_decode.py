@@ -2,10 +2,9 @@
 
 Where a method's run made the same target passes as the baseline's run of the same prompt and repetition (`auto`
 where nothing paid: every pass a plain one, drafted nothing), their decodes did the same work, and what a VM's speed
-does to both cancels from (wall / decode) of each: the ratio (1 + e_base/d_base) / (1 + e/d), e and d a run's engine
-and decode seconds (bench_overhead.py's same_decode_ratios, for single runs). On a VM whose speed moves 10-30% within
-seconds, raw tok/s ratios of such runs spread 0.88-1.14x by category while this one spreads a few tenths of a percent.
-Runs whose passes differ (the method drafted) are counted, not compared.
+does to both cancels from (wall / decode) of each (bench_overhead.at_one_decode_speed, here for single runs). On a VM
+whose speed moves 10-30% within seconds, raw tok/s ratios of such runs spread 0.88-1.14x by category while this one
+spreads a few tenths of a percent. Runs whose passes differ (the method drafted) are counted, not compared.
 
     python scripts/bench_same_decode.py bench.json --method auto
 """
@@ -15,11 +14,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_overhead import at_one_decode_speed  # noqa: E402
 
 
-def wall_over_decode(stats: dict) -> float:
-    return stats["generation_seconds"] / (stats["target_seconds"] + stats["draft_seconds"])
+def wall_and_decode(stats: dict) -> tuple[float, float]:
+    return stats["generation_seconds"], stats["target_seconds"] + stats["draft_seconds"]
 
 
 def main() -> None:
@@ -40,7 +44,7 @@ def main() -> None:
         if r["stats"]["target_passes"] != b["target_passes"] or r["stats"]["drafted"]:
             drafted[key] += 1
             continue
-        ratios[key].append(wall_over_decode(b) / wall_over_decode(r["stats"]))
+        ratios[key].append(at_one_decode_speed(*wall_and_decode(b), *wall_and_decode(r["stats"])))
     for temp in sorted({t for t, _ in ratios | drafted}):
         every = [x for (t, _), xs in ratios.items() if t == temp for x in xs]
         for cat in sorted({c for t, c in ratios | drafted if t == temp}) + ["all"]:
