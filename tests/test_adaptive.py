@@ -536,6 +536,7 @@ class QuietPool:
         self.pool = replace(XEON_POOL, slots=8, slot_verify=[0.232, 0.30, 0.36], draft_sizes=[8],
                             draft_batches=[0.0392])
         self.priced: list[int] = []
+        self.pricers: list[tuple[int, int]] = []  # (tick, lane) of every slot's step that priced
         self.tick, padded = 0, self.pool.padded_seconds
 
         def counted(*args, **kwargs):
@@ -557,7 +558,10 @@ class QuietPool:
         for self.tick in ticks:
             for lane in stepping:
                 auto, props = self.slots[lane], self.proposers[lane]
+                priced = len(self.priced)
                 plan, draft = step(auto, props, self.context, 4, room=500)
+                if len(self.priced) > priced:
+                    self.pricers.append((self.tick, lane))
                 plans.append(plan)
                 verdict = Verdict([0], len(draft.tokens), 0.0, len(draft.tokens) + 1, 0,
                                   shape=BatchShape(lanes, self.tick), lane=lane)
@@ -641,10 +645,10 @@ def test_a_pool_s_plan_stands_through_a_slot_s_uneven_step_and_a_generation_join
             pool.priced.clear()
 
 
-def test_slots_beside_a_long_prompt_price_its_first_chunk_s_batch_only(tiny_draft) -> None:
-    """Beside another slot's prompt going on chunk after chunk, each stepping slot prices its step by its place in
-    the batch: once for the first chunk's batch, then as planned while the next chunks come alike (each of them
-    priced anew by every slot, a long prompt's prefill cost the pool's Python ~0.3 ms a slot a chunk)."""
+def test_slots_beside_a_long_prompt_price_a_step_only_where_lookup_found_a_guess(tiny_draft) -> None:
+    """Beside another slot's prompt going on chunk after chunk, while the pool's steps draft from no model, a
+    stepping slot searches first and prices its place beside the chunk only where lookup found a guess: each chunk
+    makes a batch no tick had, and every slot pricing its place in each took most of a busy pool's planning."""
     with open_decoder(tiny_draft) as d:
         pool = QuietPool(DraftModelProposer(d, d.n_vocab, SamplingParams(), None))
         pool.run(range(1, 5))
@@ -652,11 +656,38 @@ def test_slots_beside_a_long_prompt_price_its_first_chunk_s_batch_only(tiny_draf
         chunk = (1, 1, 1, SLOT_CHUNK, 1, 1, 1, 1)
         stepping = (0, 1, 2, 4, 5, 6, 7)
         pool.run(range(5, 6), lanes=chunk)  # slot 3 began a long prompt: its first chunk
-        pool.run(range(6, 12), lanes=chunk, stepping=stepping)
-        assert pool.priced and set(pool.priced) == {6}, pool.priced
+        assert not any(p.source for p in pool.run(range(6, 12), lanes=chunk, stepping=stepping))
+        assert not pool.priced and all(pool.proposers[i]["lookup"].searches for i in stepping)  # searched, no guess
+        pool.context = list(range(5, 30)) * 2  # slot 0's answer copies: its guess rides the chunk nearly free
+        (plan,) = pool.run(range(12, 13), lanes=chunk, stepping=(0,))
+        assert plan.source == "lookup" and plan.k and set(pool.priced) == {12} and pool.slots[0].guessed == 1
         pool.priced.clear()
-        pool.run(range(12, 13), lanes=(1, 1, 1, 40, 1, 1, 1, 1), stepping=stepping)  # its last chunk, shorter
-        assert not any(p.source for p in pool.run(range(13, 20))) and not pool.priced  # all stepping: the plan
+        pool.context = [1, 17, 29, 301]
+        pool.run(range(13, 14), lanes=(1, 1, 1, 40, 1, 1, 1, 1), stepping=stepping)  # its last chunk, shorter
+        assert not any(p.source for p in pool.run(range(14, 20))) and not pool.priced  # all stepping: the plan
+
+
+def test_busy_slots_beside_idle_ones_take_one_plan_for_each_place(tiny_draft) -> None:
+    """Where some slots are idle, a chain beside one-token steps prices alike from any busy sequence of a run and
+    alike from any between idle ones (llama.cpp runs consecutive sequences' tokens together: micro_batches), so a
+    pool where no model drafts works out one plan for each of the two places, not one for every slot, at the
+    prices each would have worked out for itself; where the draft model drafts beside them, each slot its own."""
+    lanes, stepping = (1, 1, 0, 1, 1, 1, 0, 1), (0, 1, 3, 4, 5, 7)
+    pool = QuietPool(None)
+    pool.run(range(1, 5))
+    pool.run(range(5, 8), lanes=lanes, stepping=stepping)
+    assert [(tick, lane) for tick, lane in pool.pricers if tick > 5] == [(6, 0), (6, 7)]  # the first of each place
+    lengths = (*range(5), *pool.slots[0].copy_length.longer)
+    for lane in stepping:
+        own = SharedBatch(pool.pool, lanes, lane)
+        taken = pool.slots[lane].copy_length.costs
+        assert [taken.step_seconds(k, True) for k in lengths] == [own.step_seconds(k, True) for k in lengths]
+    with open_decoder(tiny_draft) as d:
+        pool = QuietPool(DraftModelProposer(d, d.n_vocab, SamplingParams(), None))
+        pool.run(range(1, 5))
+        pool.run(range(5, 7), lanes=lanes, stepping=stepping)
+        assert [lane for tick, lane in pool.pricers if tick == 6] == list(stepping)
+        assert pool.slots[0].model_length.planned()  # (at these prices, 2-token chains beside idle slots)
 
 
 def test_a_pool_s_steps_are_priced_by_their_shape_as_measured_together() -> None:

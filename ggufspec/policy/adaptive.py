@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..costs import Prices
+from ..history import common_prefix
 from . import Timing
 
 PROBE_EVERY = 16  # plain steps before the first probe while speculation is off; doubled after each failed one
@@ -122,6 +123,12 @@ class AdaptiveLength:
         rate = self.costs.expected_rate
         return k > 0 and rate(k, OPTIMISTIC, self.free) >= PROBE_GAIN * rate(0, 0)
 
+    def may_pay(self) -> bool:
+        """Whether any of its lengths (the longer ones too), every token kept, would beat a plain step by SHARED_GAIN
+        at its prices (Prices.best's rates), longest first: beside a prompt's chunk, most do."""
+        c, floor = self.costs, SHARED_GAIN * self.costs.rate(0, 1.0)
+        return any(c.rate(k, k + 1.0, self.free) >= floor for k in (*self.longer[::-1], *range(self.k_max, 0, -1)))
+
     def learn(self, drafted: int, accepted: int) -> None:
         """Acceptance only: of `drafted` guessed tokens, the first `accepted` were (or would have been) kept."""
         # tokens after the first rejection were never judged: they say nothing about acceptance
@@ -162,3 +169,35 @@ class AdaptiveLength:
         if self._probing:  # back off unless the probe itself beat plain steps
             paid = (accepted + 1) * c.verify[0] >= spent
             self.probe_every = PROBE_EVERY if paid else min(2 * self.probe_every, PROBE_EVERY_MAX)
+
+
+class Unverified:
+    """Lookup guesses left unverified, each (record, where it starts in the context, its tokens). A guess left
+    unverified still teaches its record, once the target has committed the tokens it guessed (up to the first miss):
+    the target's own pick, a draw when sampling, equals a guessed token exactly as often as verifying would keep it.
+    So a record that is off learns without probes whether it would pay: a copy is entered a few tokens in, and
+    phrases said again where the answer does not copy stay unverified."""
+
+    def __init__(self) -> None:
+        self._guesses: list[tuple[AdaptiveLength, int, list[int]]] = []
+
+    def __bool__(self) -> bool:
+        return bool(self._guesses)
+
+    def append(self, guess: tuple[AdaptiveLength, int, list[int]]) -> None:
+        self._guesses.append(guess)
+
+    def clear(self) -> None:
+        self._guesses.clear()
+
+    def judge(self, context: list[int]) -> None:
+        """Teach each guess's record as far as `context` has caught up with it (the rest later)."""
+        pending = []
+        for record, at, tokens in self._guesses:
+            seen = context[at : at + len(tokens)]
+            kept = common_prefix(seen, tokens)
+            if kept < len(seen) or len(seen) == len(tokens):
+                record.learn(len(tokens), kept)
+            else:
+                pending.append((record, at, tokens))
+        self._guesses = pending

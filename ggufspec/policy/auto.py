@@ -7,14 +7,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from ..costs import ContextCosts, CostModel, MtpPrices, SharedBatch
 from ..decoder import SLOT_CHUNK
-from ..history import common_prefix
 from ..proposers import Context, Draft, Proposer
 from ..proposers.lookup import LONG_MATCH
 from ..verifier import Verdict
 from . import PLAIN, Plan, Timing, check_tree, observe_tree
-from .adaptive import COPY_PRIOR, PHRASE_MATCH, PROBE_EVERY_MAX, SHARED_GAIN, AdaptiveLength
+from .adaptive import COPY_PRIOR, PHRASE_MATCH, PROBE_EVERY_MAX, AdaptiveLength, Unverified
 from .decision import decision
-from .shared import REACH_TICKS, QuietRun, SlotRecords, TickPlan
+from .shared import REACH_TICKS, QuietRun, SlotRecords, TickPlan, plan_key
 from .tree_sizer import TreeSizer
 
 # The most tokens over which the draft model's catching up is expected to pay back (AutoPolicy._catch_up_pays): an
@@ -69,7 +68,7 @@ class AutoPolicy:
         # docs/methods.md#measured-constants: MTP_MEMORY
         self.mtp_length = AdaptiveLength(MtpPrices(costs), k_max, memory=MTP_MEMORY) if mtp else None
         self.source: AdaptiveLength | None = None  # the record whose choice the target is judging
-        self._unverified: list[tuple[AdaptiveLength, int, list[int]]] = []  # lookup guesses not verified: see plan
+        self._unverified = Unverified()  # lookup guesses not verified
         self._proposed: tuple[AdaptiveLength, int, list[int]] | None = None  # the lookup guess just planned
         self._lookup_records = (self.lookup_length, self.phrase_length, self.copy_length)
         self._records = tuple(r for r in (*self._lookup_records, self.model_length, self.mtp_length) if r is not None)
@@ -97,6 +96,7 @@ class AutoPolicy:
         self._tick_plan: TickPlan | None = None  # the pool's plan the last price_at took (None: priced its own)
         self._last_ctx = 0  # the longest context priced by the same cost model as the last price_at's
         self._quiet_step, self._run = False, QuietRun()  # the step planned is quiet (_quiet); those after it (run)
+        self._models_off = False  # the last plan priced for the pool's steps has no drafting model drafting
 
     @property
     def k_cap(self) -> int:
@@ -149,29 +149,19 @@ class AutoPolicy:
                 self._take(kept, n_ctx)
             return kept.planned  # (read only)
         planned = self._price_shared(costs)
+        self._note(planned)
         self._tick_plan = None
+        if key is not None and planned and any(planned.values()):
+            key = self._plan_key(costs, own=True)  # the others step k + 1 tokens: this slot's place prices its chain
         if key is not None:
             views = tuple(r.costs for r in self._records)
             self._tick_plan = self.slot_records.put(TickPlan(self.tick, planned, views, costs, key, self.lanes))
         return planned
 
-    def _plan_key(self, costs: CostModel) -> tuple | None:
-        """The key of the pool's plan for a batch like the last one at `costs`, of what _price_shared's prices depend
-        on: which sequences are busy (each other busy slot is priced as stepping next), and where some are idle or
-        another's prompt goes on, this slot's place and those chunks. None without a pool or in a batch of its own."""
-        lanes = self.lanes
-        if self.slot_records is None or len(lanes) < 2:
-            return None
-        if max(lanes) >= SLOT_CHUNK and any(n >= SLOT_CHUNK for i, n in enumerate(lanes) if i != self.lane):
-            going = tuple(n if n >= SLOT_CHUNK and i != self.lane else n > 0 for i, n in enumerate(lanes))
-            return (id(costs), going, self.lane, self.k_max, self._model_names)
-        idle = (tuple(map(bool, lanes)), self.lane) if 0 in lanes else len(lanes)
-        return (id(costs), idle, self.k_max, self._model_names)
-
-    def _standing(self, n_ctx: int) -> TickPlan | None:
-        """The pool's plan that price_at(n_ctx) would take now, where one stands (another slot worked it out)."""
-        costs = self.context_costs.at(n_ctx)
-        return self.slot_records.standing(self._plan_key(costs), costs, self.tick)
+    def _plan_key(self, costs: CostModel, own: bool = False) -> tuple | None:
+        """The key of the pool's plan for a batch like the last one (shared.plan_key); None without a pool."""
+        pool = self.slot_records is not None
+        return plan_key(costs, self.lanes, self.lane, self.k_max, self._model_names, own) if pool else None
 
     def _join(self, n_ctx: int) -> bool:
         """Where this generation joins busy slots whose pool's plan prices every slot busy (no record moved since:
@@ -193,6 +183,11 @@ class AutoPolicy:
         self._last_ctx = self.context_costs.last_at(n_ctx)
         for length, view in zip(self._records, plan.views):
             length.costs = view
+        self._note(plan.planned)
+
+    def _note(self, planned: dict[str, int] | None) -> None:  # (a plan's lengths taken: whether none drafts)
+        if planned is not None:
+            self._models_off = not any(planned.values())
 
     def _price_shared(self, costs: CostModel) -> dict[str, int] | None:
         """price_at's, in a batch shared with other slots."""
@@ -292,26 +287,51 @@ class AutoPolicy:
         self.source = self._proposed = None
         if k <= 0:
             return PLAIN
+        if self._models_off and any(i != self.lane and n >= SLOT_CHUNK for i, n in enumerate(self.lanes)):
+            return self._beside_prompt(context, k)
         # the drafting models' lengths, priced once a step: _catch_up_pays and choose take them from here
         planned = self.price_at(len(context))
-        self._judge_unverified(context)
+        self._unverified.judge(context)
         reach = self._lookup_may_pay()
         self.unsearched += not reach
         guess = self.lookup.find(context, k) if reach else []
-        match = self.lookup.match if reach else 0
+        plan = self._guess(context, guess, models=True)
+        return plan if plan is not None else self._model_plan(context, room, min(k, self.k_max - deferred), planned)
+
+    def _guess(self, context: list[int], guess: list[int], models: bool) -> Plan | None:
+        """Lookup's `guess` after `context` as the step, where verifying it pays (and, with `models`, beats each
+        drafting model's own chain); else None, the guess left unverified (judged later). `source`: its record."""
+        match = self.lookup.match if guess else 0
         self.guessed += bool(guess)
         self.source = (self.copy_length if match >= LONG_MATCH else
                        self.phrase_length if match >= PHRASE_MATCH else self.lookup_length)
         # no guess, nothing to choose: no price, no plain step counted toward a probe, no probe with nothing to verify
         # (its record still times the plain step). Priced, they took a fifth of `auto`'s planning in an 8-slot pool.
-        n = min(self.source.choose(), len(guess)) if guess else 0
+        if not guess:
+            return None
+        n = min(self.source.choose(), len(guess))
         judged_later = self.source, len(context), guess[: self.k_max]
-        if n and not self._model_beats_lookup(n, self.source):
+        if n and not (models and self._model_beats_lookup(n, self.source)):
             self._proposed = judged_later
             return Plan("lookup", n)
+        self._unverified.append(judged_later)
+        return None
+
+    def _beside_prompt(self, context: list[int], k: int) -> Plan:
+        """_chain's step beside another slot's prompt chunk while the pool's steps draft from no model: the models
+        rest (a probe falling due is deferred), and lookup's guess is priced only where it found one: each slot's
+        place beside each new chunk was priced anew, most of a busy pool's planning (docs/engine-overhead.md)."""
+        self._unverified.judge(context)
+        for record in self._model_records:
+            if not record.rest():
+                record.defer()
+        guess = self.lookup.find(context, k)
         if guess:
-            self._unverified.append(judged_later)
-        return self._model_plan(context, room, min(k, self.k_max - deferred), planned)
+            self.price_at(len(context))
+        plan = self._guess(context, guess, models=False)
+        if plan is None:
+            self.source = self._quiet_source  # the record that times a plain step, as _quiet's
+        return plan or PLAIN
 
     def _quiet(self, context: Context) -> bool:
         """A pool's plain step known without pricing it, as most are where nothing pays (beside many busy slots on a
@@ -322,11 +342,12 @@ class AutoPolicy:
         when a probe is made); guesses left unverified judged as far as the context has caught up with them (the
         rest later: what was committed stays). The steps after it run on the plan unasked (QuietRun)."""
         if self._unverified:
-            self._judge_unverified(context.tokens)
+            self._unverified.judge(context.tokens)
         n_ctx = len(context)
         now = self._tick_plan
         if now is None or now.replaced or n_ctx > self._last_ctx or self.lanes != now.lanes:
-            now = self._standing(n_ctx)
+            costs = self.context_costs.at(n_ctx)  # the pool's plan that price_at would take, where one stands
+            now = self.slot_records.standing(self._plan_key(costs), costs, self.tick)
             if now is None:
                 return False
             self._take(now, n_ctx)
@@ -368,9 +389,7 @@ class AutoPolicy:
         if (tick is None and self._reach is not None and self._reach[1] == shape
                 and 0 <= self.tick - self._reach[0] < REACH_TICKS):
             return self._reach[2]
-        # any length whose guess kept whole pays (Prices.best's rates), longest first: beside a chunk, most do
-        floor = SHARED_GAIN * c.rate(0, 1.0)
-        reach = any(c.rate(k, k + 1.0, free=True) >= floor for k in (*longer[::-1], *range(self.k_max, 0, -1)))
+        reach = self.copy_length.may_pay()
         self._reach = (self.tick, shape, reach)
         if tick is not None:
             tick.reached(reach)
@@ -442,21 +461,6 @@ class AutoPolicy:
         the guess instead of a Medusa tree only where this beats the tree's gain. Needs a planned lookup guess."""
         costs = self.source.costs
         return costs.expected_rate(n, self.source.acceptance, free=True) / costs.expected_rate(0, 0)
-
-    def _judge_unverified(self, context: list[int]) -> None:
-        """A guess left unverified still teaches its record, once the target has committed the tokens it guessed
-        (up to the first miss): the target's own pick, a draw when sampling, equals a guessed token exactly as often
-        as verifying would keep it. So a record that is off learns without probes whether it would pay: a copy is
-        entered a few tokens in, and phrases said again where the answer does not copy stay unverified."""
-        pending = []
-        for record, at, tokens in self._unverified:
-            seen = context[at : at + len(tokens)]
-            kept = common_prefix(seen, tokens)
-            if kept < len(seen) or len(seen) == len(tokens):
-                record.learn(len(tokens), kept)
-            else:
-                pending.append((record, at, tokens))
-        self._unverified = pending
 
     def _catch_up_pays(self, proposer: Proposer, m: AdaptiveLength, context: list[int], room: int, k: int) -> bool:
         """A drafting model (`proposer`, its record `m`) is not started where catching up on the context it has not seen

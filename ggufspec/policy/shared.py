@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..costs import ContextCosts, CostModel, Prices
+from ..decoder import SLOT_CHUNK
 from .adaptive import AdaptiveLength
 
 # AutoPolicy._lookup_may_pay's answer stands this many ticks while the batch keeps its shape, and so does a pool's
@@ -15,9 +16,31 @@ from .adaptive import AdaptiveLength
 REACH_TICKS = 256
 
 
+def plan_key(costs: CostModel, lanes: tuple[int, ...], lane: int, k_max: int, models: tuple[str, ...],
+             own: bool = False) -> tuple | None:
+    """The key of a pool's plan (TickPlan) for the steps of slot `lane` after a batch of `lanes` tokens of each
+    sequence, at `costs`, drafting up to k_max from `models`: of what AutoPolicy's prices there depend on. Which
+    sequences are busy (each other busy slot is priced as stepping next); where some are idle, whether this slot's
+    sequence has a busy neighbour; where another's prompt goes on, this slot's place and those chunks (`own`: this
+    slot's place whatever it is). None in a batch of its own.
+    (llama.cpp runs consecutive sequences' tokens together, micro_batches: beside steps of one token, a chain prices
+    alike from any busy sequence of a run, and alike from any between idle ones; beside longer chains, a shorter one
+    splits their run, so AutoPolicy.price_at keys a plan where a model drafts by the slot's own place.)"""
+    if len(lanes) < 2:
+        return None
+    if max(lanes) >= SLOT_CHUNK and any(n >= SLOT_CHUNK for i, n in enumerate(lanes) if i != lane):
+        going = tuple(n if n >= SLOT_CHUNK and i != lane else n > 0 for i, n in enumerate(lanes))
+        return (id(costs), going, lane, k_max, models)
+    if 0 not in lanes:
+        return (id(costs), len(lanes), k_max, models)
+    alone = not (lane and lanes[lane - 1]) and not (lane + 1 < len(lanes) and lanes[lane + 1])
+    place = ("alone" if alone else "run") if lanes[lane] and not own else lane
+    return (id(costs), tuple(map(bool, lanes)), place, k_max, models)
+
+
 @dataclass
 class TickPlan:
-    """AutoPolicy.price_at's answer for a shape of batch (AutoPolicy._plan_key), which every slot whose batch has
+    """AutoPolicy.price_at's answer for a shape of batch (plan_key), which every slot whose batch has
     that shape takes."""
 
     tick: int  # the batch it was worked out after
@@ -90,7 +113,7 @@ class SlotRecords:
     draft: dict[int, AdaptiveLength] = field(default_factory=dict)  # the draft model's
     mtp: dict[int, AdaptiveLength] = field(default_factory=dict)  # the MTP heads'
     contexts: dict[int, ContextCosts] = field(default_factory=dict)  # by id of the measured cost model
-    plans: dict[tuple, TickPlan] = field(default_factory=dict)  # AutoPolicy.price_at's, by _plan_key
+    plans: dict[tuple, TickPlan] = field(default_factory=dict)  # AutoPolicy.price_at's, by plan_key
 
     def standing(self, key: tuple | None, costs: CostModel, tick: int) -> TickPlan | None:
         """The plan under `key` that prices the steps after batch `tick` at `costs`, where one stands."""
