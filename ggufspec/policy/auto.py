@@ -331,7 +331,7 @@ class AutoPolicy:
         plan = self._guess(context, guess, models=False)
         if plan is None:
             self.source = self._quiet_source  # the record that times a plain step, as _quiet's
-        return plan or PLAIN
+        return plan if plan is not None else PLAIN
 
     def _quiet(self, context: Context) -> bool:
         """A pool's plain step known without pricing it, as most are where nothing pays (beside many busy slots on a
