@@ -171,9 +171,9 @@ def pool_share(a: argparse.Namespace, temps: list[float], out) -> None:
 
 def same_decode_ratios(rounds: list[dict[str, Round]], base: str, m: str) -> list[float]:
     """Per round where `m` ran as many ticks as `base` (within 0.5%: the same batches, as `auto` where nothing
-    drafts), m's speed over base's had both decoded at one speed: (1 + e_base/d_base) / (1 + e_m/d_m), e and d the
-    round's engine and decode seconds. A VM's speed moves a round's decode and engine time alike, by 3-5% from one
-    round to the next (more than a policy's share of a tick); their ratio moves far less."""
+    drafts), m's speed over base's had both decoded at one speed (at_one_decode_speed). A VM's speed moves a round's
+    decode and engine time alike, by 3-5% from one round to the next (more than a policy's share of a tick); their
+    ratio moves far less."""
     if m == base:
         return []
     same = []

@@ -13,7 +13,7 @@ from ..verifier import Verdict
 from . import PLAIN, Plan, Timing, check_tree, observe_tree
 from .adaptive import COPY_PRIOR, PHRASE_MATCH, PROBE_EVERY_MAX, AdaptiveLength, Unverified
 from .decision import decision
-from .shared import REACH_TICKS, QuietRun, SlotRecords, TickPlan, plan_key
+from .shared import REACH_TICKS, QuietRun, SlotRecords, TickPlan, beside_prompt, plan_key
 from .tree_sizer import TreeSizer
 
 # The most tokens over which the draft model's catching up is expected to pay back (AutoPolicy._catch_up_pays): an
@@ -287,7 +287,7 @@ class AutoPolicy:
         self.source = self._proposed = None
         if k <= 0:
             return PLAIN
-        if self._models_off and any(i != self.lane and n >= SLOT_CHUNK for i, n in enumerate(self.lanes)):
+        if self._models_off and beside_prompt(self.lanes, self.lane):
             return self._beside_prompt(context, k)
         # the drafting models' lengths, priced once a step: _catch_up_pays and choose take them from here
         planned = self.price_at(len(context))

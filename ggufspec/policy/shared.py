@@ -16,6 +16,12 @@ from .adaptive import AdaptiveLength
 REACH_TICKS = 256
 
 
+def beside_prompt(lanes: tuple[int, ...], lane: int) -> bool:
+    """Whether another slot's prompt goes on in a batch of `lanes` (a full chunk of it: its next one follows; a
+    shorter one was its last), seen from slot `lane`."""
+    return max(lanes, default=0) >= SLOT_CHUNK and any(n >= SLOT_CHUNK for i, n in enumerate(lanes) if i != lane)
+
+
 def plan_key(costs: CostModel, lanes: tuple[int, ...], lane: int, k_max: int, models: tuple[str, ...],
              own: bool = False) -> tuple | None:
     """The key of a pool's plan (TickPlan) for the steps of slot `lane` after a batch of `lanes` tokens of each
@@ -28,7 +34,7 @@ def plan_key(costs: CostModel, lanes: tuple[int, ...], lane: int, k_max: int, mo
     splits their run, so AutoPolicy.price_at keys a plan where a model drafts by the slot's own place.)"""
     if len(lanes) < 2:
         return None
-    if max(lanes) >= SLOT_CHUNK and any(n >= SLOT_CHUNK for i, n in enumerate(lanes) if i != lane):
+    if beside_prompt(lanes, lane):
         going = tuple(n if n >= SLOT_CHUNK and i != lane else n > 0 for i, n in enumerate(lanes))
         return (id(costs), going, lane, k_max, models)
     if 0 not in lanes:
