@@ -18,7 +18,7 @@ from ggufspec.policy import PLAIN, Plan, Timing
 from ggufspec.policy.adaptive import (MIN_GAIN, PHRASE_MATCH, PROBE_EVERY, PROBE_GAIN, SHARED_GAIN,
                                       AdaptiveLength)
 from ggufspec.policy.auto import AutoPolicy
-from ggufspec.policy.shared import REACH_TICKS, QuietRun, SlotRecords
+from ggufspec.policy.shared import PLAN_DRIFT, REACH_TICKS, QuietRun, SlotRecords, TickPlan
 from ggufspec.policy.tree_sizer import TreeSizer
 from ggufspec.proposers import NO_DRAFT, Context, Draft, Proposer
 from ggufspec.proposers.draft_model import DraftModelProposer
@@ -567,6 +567,45 @@ class QuietPool:
                                   shape=BatchShape(lanes, self.tick), lane=lane)
                 auto.observe(plan, draft, verdict, None)
         return plans
+
+
+def test_a_due_plan_stands_on_while_what_priced_it_has_not_moved(tiny_draft) -> None:
+    """A pool's plan where nothing drafts is due after REACH_TICKS ticks, and then stands as many more without
+    pricing where no price it was priced from moved by more than PLAN_DRIFT since (a tick's noise), nor any slot's
+    drafting record: every REACH_TICKS ticks a slot priced it again at the same prices, most of a steady pool's
+    planning. A price moved by more, or a record, and it is priced again at the next check, by one slot."""
+    with open_decoder(tiny_draft) as d:
+        pool = QuietPool(DraftModelProposer(d, d.n_vocab, SamplingParams(), None))
+        pool.run(range(1, 5))
+        assert pool.priced and max(pool.priced) <= 2
+        pool.priced.clear()
+        costs = pool.pool
+        costs.slot_verify = [v * (1 - PLAN_DRIFT / 2) for v in costs.slot_verify]  # (as learning moves them)
+        costs.forget_prices()
+        assert not any(p.source for p in pool.run(range(5, 3 * REACH_TICKS))) and not pool.priced
+        costs.slot_verify = [v * (1 - 2 * PLAN_DRIFT) for v in costs.slot_verify]
+        costs.forget_prices()
+        assert not any(p.source for p in pool.run(range(3 * REACH_TICKS, 5 * REACH_TICKS)))
+        ticks = sorted(set(pool.priced))
+        assert ticks and ticks[0] >= 3 * REACH_TICKS and len(ticks) <= 2, ticks  # its next check, and no other
+        assert len({lane for tick, lane in pool.pricers if tick == ticks[0]}) == 1
+        pool.priced.clear()
+        for auto in pool.slots:  # the records move (as a restart would, below MOVED's renewal: a test's shortcut)
+            auto.model_length.acceptance = [a - 2 * PLAN_DRIFT for a in auto.model_length.acceptance]
+        pool.run(range(5 * REACH_TICKS, 7 * REACH_TICKS))
+        assert pool.priced and min(pool.priced) >= 5 * REACH_TICKS
+
+
+def test_a_plan_worked_out_after_a_later_batch_stands_for_a_slot_whose_last_batch_was_earlier() -> None:
+    """A slot whose last batch is older than the plan's (its prompt went on meanwhile) takes it: the same shape at
+    newer prices (it priced its own before, and its plan replaced the newer one for every slot)."""
+    records, costs = SlotRecords(), replace(XEON_POOL, slots=2, slot_verify=[0.2, 0.3])
+    plan = records.put(TickPlan(10, {}, (), costs, ("key",), (1, 1), records.basis(costs)))
+    assert records.standing(("key",), costs, 4) is plan and records.standing(("key",), costs, 10) is plan
+    assert records.standing(("key",), costs.copy(), 10) is None  # another context size's prices
+    assert records.standing(("key",), costs, 10 + REACH_TICKS) is plan  # due; nothing moved: stands on
+    plan.cut(10 + REACH_TICKS)  # a model drafted on it
+    assert records.standing(("key",), costs, 11 + REACH_TICKS) is None
 
 
 def test_a_pool_on_lookup_alone_steps_plain_unpriced_where_no_guess_could_pay() -> None:

@@ -237,6 +237,13 @@ class CostModel(Prices):
     def learned(self, tick: int) -> bool:
         return 0 <= tick == self.ticks.target
 
+    def table(self) -> tuple[float, ...]:
+        """Every price it holds, in one order, a learned shape's key beside its price: what a plan priced from it is
+        compared with later (policy.shared.SlotRecords.standing)."""
+        shapes = (x for (seqs, each), price in sorted(self.shapes.items()) for x in (seqs, each, price))
+        return (*self.verify, *self.long_verify, self.draft, *self.draft_batches, *self.slot_verify, *shapes,
+                self.hold, self.draft_hold, self.mtp, self.mtp_catch_up, *self.mtp_batches)
+
     def forget_prices(self) -> None:
         """After learning: micro_seconds' and padded_seconds' remembered prices, and the views priced from them, are
         worked out again."""

@@ -155,7 +155,8 @@ class AutoPolicy:
             key = self._plan_key(costs, own=True)  # the others step k + 1 tokens: this slot's place prices its chain
         if key is not None:
             views = tuple(r.costs for r in self._records)
-            self._tick_plan = self.slot_records.put(TickPlan(self.tick, planned, views, costs, key, self.lanes))
+            basis = self.slot_records.basis(costs)
+            self._tick_plan = self.slot_records.put(TickPlan(self.tick, planned, views, costs, key, self.lanes, basis))
         return planned
 
     def _plan_key(self, costs: CostModel, own: bool = False) -> tuple | None:
@@ -345,13 +346,13 @@ class AutoPolicy:
             self._unverified.judge(context.tokens)
         n_ctx = len(context)
         now = self._tick_plan
-        if now is None or now.replaced or n_ctx > self._last_ctx or self.lanes != now.lanes:
+        if now is None or now.replaced or n_ctx > self._last_ctx or self.lanes != now.lanes or self.tick >= now.until:
             costs = self.context_costs.at(n_ctx)  # the pool's plan that price_at would take, where one stands
             now = self.slot_records.standing(self._plan_key(costs), costs, self.tick)
             if now is None:
                 return False
             self._take(now, n_ctx)
-        if not (now.quiet and now.tick <= self.tick < now.until):
+        if not now.quiet:
             return False
         records = self._model_records
         if len(records) > 1 and not all(record.rests() for record in records):  # (none counts unless all rest)
@@ -431,7 +432,7 @@ class AutoPolicy:
             if slots is not None:
                 slots[self.lane] = record
         if plan.source in self._model_names and self._tick_plan is not None:  # what it priced changes: the pool's
-            self._tick_plan.until = min(self._tick_plan.until, self.tick + 1)  # plan is priced again next tick
+            self._tick_plan.cut(self.tick)  # plan is priced again next tick
         source = plan.source if draft.tokens else None  # a step that drafted nothing ran as a plain one
         self.steps[source] = self.steps.get(source, 0) + 1
         drafted = kept = 0

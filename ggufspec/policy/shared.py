@@ -14,6 +14,12 @@ from .adaptive import AdaptiveLength
 # plan where no model drafts (price_at) unless a probe drafts: prices move a little a tick, and working them out again
 # costs the tick's first slot several plain steps' Python (docs/methods.md#measured-constants: REACH_TICKS)
 REACH_TICKS = 256
+# A plan due after REACH_TICKS ticks stands as many more where nothing it was priced from moved by more than this: no
+# price by more than this share of itself, no slot's drafting record's acceptance by more than this (the learned prices
+# wander by a few percent on a VM from one check to the next: an answer so small a move would change is a near-tie
+# either way), measured from when it was priced, so that a slow drift is caught (docs/methods.md#measured-constants:
+# PLAN_DRIFT)
+PLAN_DRIFT = 0.05
 
 
 def beside_prompt(lanes: tuple[int, ...], lane: int) -> bool:
@@ -44,6 +50,16 @@ def plan_key(costs: CostModel, lanes: tuple[int, ...], lane: int, k_max: int, mo
     return (id(costs), tuple(map(bool, lanes)), place, k_max, models)
 
 
+def drift(before: tuple, after: tuple) -> float:
+    """How far `after` moved from `before` (SlotRecords.basis): the largest relative move of a price, or absolute
+    move of an acceptance; infinite where either changed its size (a shape learned, a first record registered)."""
+    (prices, spans), (now, now_spans) = before, after
+    if len(prices) != len(now) or len(spans) != len(now_spans):
+        return float("inf")
+    moved = max((abs(b / a - 1) for a, b in zip(prices, now) if a), default=0.0)
+    return max([moved, *(abs(b - a) for a, b in zip(spans, now_spans))])
+
+
 @dataclass
 class TickPlan:
     """AutoPolicy.price_at's answer for a shape of batch (plan_key), which every slot whose batch has
@@ -55,6 +71,7 @@ class TickPlan:
     costs: CostModel  # the cost model (by context size) priced from
     key: tuple  # its key in SlotRecords.plans
     lanes: tuple[int, ...]  # the batch it was worked out after, as many tokens of each slot
+    basis: tuple = field(default=(), repr=False)  # what it was priced from (SlotRecords.basis)
     reach: bool | None = None  # _lookup_may_pay's answer in this batch, once a slot has worked it out
     replaced: bool = False  # a newer plan took its key, or a record it priced restarted (SlotRecords.renew)
 
@@ -62,9 +79,14 @@ class TickPlan:
         self.idle = self.planned is not None and not any(self.planned.values())  # no model drafts: it may stand
         # the first tick it no longer prices (price_at): the next where a model drafts; else (none, or beside a
         # prompt's chunks, where each step chooses) REACH_TICKS on, unless a model drafts sooner (AutoPolicy.observe)
-        self.until = self.tick + (REACH_TICKS if self.idle or self.planned is None else 1)
+        self.lasting = self.idle or self.planned is None  # (a plan priced again next tick never stands longer)
+        self.until = self.tick + (REACH_TICKS if self.lasting else 1)
         self.quiet = False  # idle, and no lookup guess pays (set with reach: every quiet step reads it)
         self.worth: dict[int, bool] = {}  # worth_probing's answers, by the record's prices (a view of this plan)
+
+    def cut(self, tick: int) -> None:
+        """What it priced changed after batch `tick` (a model drafted): priced again from the next tick."""
+        self.until, self.lasting = min(self.until, tick + 1), False
 
     def worth_probing(self, record: AdaptiveLength) -> bool:
         """Whether a probe of `record`'s drafter could pay at this plan's prices (AdaptiveLength.worth_probing),
@@ -122,9 +144,27 @@ class SlotRecords:
     plans: dict[tuple, TickPlan] = field(default_factory=dict)  # AutoPolicy.price_at's, by plan_key
 
     def standing(self, key: tuple | None, costs: CostModel, tick: int) -> TickPlan | None:
-        """The plan under `key` that prices the steps after batch `tick` at `costs`, where one stands."""
+        """The plan under `key` that prices the steps after batch `tick` at `costs`, where one stands: before its
+        `until`, or due but priced from what has not moved since (PLAN_DRIFT: it then stands REACH_TICKS more). A
+        plan worked out after a later batch than `tick` stands too (the same shape, newer prices)."""
         plan = self.plans.get(key) if key is not None else None
-        return plan if plan is not None and plan.costs is costs and plan.tick <= tick < plan.until else None
+        if plan is None or plan.costs is not costs:
+            return None
+        if tick < plan.until:
+            return plan
+        if plan.lasting and drift(plan.basis, self.basis(costs)) <= PLAN_DRIFT:
+            plan.until = tick + REACH_TICKS
+            return plan
+        return None
+
+    def basis(self, costs: CostModel) -> tuple:
+        """What a plan at `costs` is priced from: its prices (CostModel.table), and each drafting model's slots'
+        records' lowest and highest acceptance at each length (a slot with no record is priced by the pricing
+        slot's)."""
+        spans = tuple(x for records in (self.draft, self.mtp) if records
+                      for column in zip(*(r.acceptance for r in list(records.values())))
+                      for x in (min(column), max(column)))
+        return costs.table(), spans
 
     def put(self, plan: TickPlan) -> TickPlan:
         """`plan` under its key; the plan it takes the key from is marked replaced (its holders take the new one)."""
