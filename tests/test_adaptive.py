@@ -587,10 +587,10 @@ def test_a_due_plan_stands_on_while_what_priced_it_has_not_moved(tiny_draft) -> 
         costs.forget_prices()
         assert not any(p.source for p in pool.run(range(3 * REACH_TICKS, 5 * REACH_TICKS)))
         ticks = sorted(set(pool.priced))
-        assert ticks and ticks[0] >= 3 * REACH_TICKS and len(ticks) <= 2, ticks  # its next check, and no other
+        assert ticks and ticks[0] >= 3 * REACH_TICKS and len(ticks) <= 2, ticks  # its next check (and may_pay's)
         assert len({lane for tick, lane in pool.pricers if tick == ticks[0]}) == 1
         pool.priced.clear()
-        for auto in pool.slots:  # the records move (as a restart would, below MOVED's renewal: a test's shortcut)
+        for auto in pool.slots:  # every slot's record moves (as judged drafts would move it)
             auto.model_length.acceptance = [a - 2 * PLAN_DRIFT for a in auto.model_length.acceptance]
         pool.run(range(5 * REACH_TICKS, 7 * REACH_TICKS))
         assert pool.priced and min(pool.priced) >= 5 * REACH_TICKS

@@ -140,8 +140,8 @@ class AutoPolicy:
             return None
         # each other busy slot is priced as stepping next (or as its prompt's chunk), so every slot in a batch of the
         # same shape (where some are idle or a prompt goes on, in the same place) prices the same: worked out by the
-        # tick's first slot, taken by the others; where no model drafts, for REACH_TICKS ticks (the views' prices are
-        # then a few ticks old, and what the slots' full steps teach the cost model prices the next plan)
+        # tick's first slot, taken by the others; where no model drafts, for REACH_TICKS ticks and on while what priced
+        # it stands (SlotRecords.standing; what the slots' full steps teach the cost model prices the next plan)
         key = self._plan_key(costs) if self.tick >= 0 else None
         kept = self.slot_records.standing(key, costs, self.tick) if key is not None else None  # (key: a pool's)
         if kept is not None:
