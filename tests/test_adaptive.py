@@ -600,7 +600,7 @@ def test_a_plan_worked_out_after_a_later_batch_stands_for_a_slot_whose_last_batc
     """A slot whose last batch is older than the plan's (its prompt went on meanwhile) takes it: the same shape at
     newer prices (it priced its own before, and its plan replaced the newer one for every slot)."""
     records, costs = SlotRecords(), replace(XEON_POOL, slots=2, slot_verify=[0.2, 0.3])
-    plan = records.put(TickPlan(10, {}, (), costs, ("key",), (1, 1), records.basis(costs)))
+    plan = records.put(TickPlan(10, {}, (), costs, ("key",), (1, 1)))
     assert records.standing(("key",), costs, 4) is plan and records.standing(("key",), costs, 10) is plan
     assert records.standing(("key",), costs.copy(), 10) is None  # another context size's prices
     assert records.standing(("key",), costs, 10 + REACH_TICKS) is plan  # due; nothing moved: stands on

@@ -155,8 +155,7 @@ class AutoPolicy:
             key = self._plan_key(costs, own=True)  # the others step k + 1 tokens: this slot's place prices its chain
         if key is not None:
             views = tuple(r.costs for r in self._records)
-            basis = self.slot_records.basis(costs)
-            self._tick_plan = self.slot_records.put(TickPlan(self.tick, planned, views, costs, key, self.lanes, basis))
+            self._tick_plan = self.slot_records.put(TickPlan(self.tick, planned, views, costs, key, self.lanes))
         return planned
 
     def _plan_key(self, costs: CostModel, own: bool = False) -> tuple | None:

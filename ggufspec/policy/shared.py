@@ -71,7 +71,7 @@ class TickPlan:
     costs: CostModel  # the cost model (by context size) priced from
     key: tuple  # its key in SlotRecords.plans
     lanes: tuple[int, ...]  # the batch it was worked out after, as many tokens of each slot
-    basis: tuple = field(default=(), repr=False)  # what it was priced from (SlotRecords.basis)
+    basis: tuple = field(default=(), init=False, repr=False)  # what priced it, where it may stand on (SlotRecords.put)
     reach: bool | None = None  # _lookup_may_pay's answer in this batch, once a slot has worked it out
     replaced: bool = False  # a newer plan took its key, or a record it priced restarted (SlotRecords.renew)
 
@@ -167,7 +167,10 @@ class SlotRecords:
         return costs.table(), spans
 
     def put(self, plan: TickPlan) -> TickPlan:
-        """`plan` under its key; the plan it takes the key from is marked replaced (its holders take the new one)."""
+        """`plan` under its key, with what it was priced from where it may stand on (basis: a plan priced again
+        next tick never does); the plan it takes the key from is marked replaced (its holders take the new one)."""
+        if plan.lasting:
+            plan.basis = self.basis(plan.costs)
         old = self.plans.get(plan.key)
         if old is not None:
             old.replaced = True
