@@ -10,9 +10,12 @@ With --parallel N, it runs N slots of an EnginePool instead, N prompts at a time
 method and temperature a round; --rounds R rounds, the methods in turn), and reports the engine's share of the pool's
 time: the wall time less every tick's decode time (lockstep.Lockstep.decode_seconds), which is the slots' Python
 steps between ticks and the last ones' tails. Ratios of methods are steadiest from one process's rounds, and
-steadier still at one decode speed (`vs_<first method>_same_decode`: see same_decode_ratios):
+steadier still at one decode speed (`vs_<first method>_same_decode`: see same_decode_ratios). With --control the
+first method also runs a second time each round, as `<method>/control`: its ratio to itself is what that run can
+tell apart (on a VM, a few tenths of a percent either way), the yardstick for the others' ratios:
 
-    python scripts/bench_overhead.py --tiny /tmp/ov --parallel 8 --methods autoregressive,auto --temps 0 --rounds 6
+    python scripts/bench_overhead.py --tiny /tmp/ov --parallel 8 --methods autoregressive,auto --temps 0 --rounds 6 \
+        --control
 
 With --time-policy it also clocks every slot's policy calls (begin, plan, observe) and reports their time a tick per
 method: where a machine's decode times move by more than a method's share of the tick, what one policy costs over
@@ -135,6 +138,8 @@ def pool_share(a: argparse.Namespace, temps: list[float], out) -> None:
     n = a.parallel
     texts = prompts(2 * n, start=a.prompts)  # after the warm-up's
     methods = a.methods.split(",")
+    if a.control:  # the first method again, under a label of its own (the method is the label's part before "/")
+        methods.insert(1, f"{methods[0]}/control")
     clock = {"seconds": 0.0}  # the policies' calls since the last read (--time-policy)
     if a.time_policy:
         time_policies(clock)
@@ -142,8 +147,8 @@ def pool_share(a: argparse.Namespace, temps: list[float], out) -> None:
     with EnginePool.load(a.target, a.draft, options, parallel=n) as pool:
         lock = pool.lockstep
         for temp in temps:
-            settings = {m: GenerationSettings(max_tokens=a.n, method=m, sampling=SamplingParams(temp), seed=0)
-                        for m in methods}
+            settings = {m: GenerationSettings(max_tokens=a.n, method=m.split("/")[0], sampling=SamplingParams(temp),
+                                              seed=0) for m in methods}
             rounds: list[dict[str, Round]] = []
             for m in methods:
                 for _ in pool.stream_many(prompts(n), settings[m]):  # warm-up (and auto's cost model)
@@ -223,6 +228,8 @@ def main() -> None:
     ap.add_argument("--parallel", type=int, default=0, help="N slots of an EnginePool, N prompts at a time")
     ap.add_argument("--rounds", type=int, default=1, help="--parallel: rounds of 2N prompts, the methods in turn")
     ap.add_argument("--time-policy", action="store_true", help="--parallel: clock the policies' calls too")
+    ap.add_argument("--control", action="store_true",
+                    help="--parallel: run the first method twice a round, the second as <method>/control")
     ap.add_argument("--llama-server", help="llama-server built from the same llama.cpp source and flags")
     ap.add_argument("-o", "--out", type=Path)
     a = ap.parse_args()
@@ -230,6 +237,8 @@ def main() -> None:
         a.target, a.draft = write_tiny_pair(a.tiny)
     if a.target is None:
         ap.error("give --tiny DIR or --target (and --draft)")
+    if a.control and not a.parallel:
+        ap.error("--control compares pool rounds: give --parallel N")
 
     import ggufspec
     from ggufspec.decoder import DecoderOptions
