@@ -11,19 +11,12 @@ from ..proposers import Context, Draft, Proposer
 from ..proposers.lookup import LONG_MATCH
 from ..verifier import Verdict
 from . import PLAIN, Plan, Timing, check_tree, observe_tree
-from .adaptive import COPY_PRIOR, PHRASE_MATCH, PROBE_EVERY_MAX, AdaptiveLength, Unverified
+from .adaptive import COPY_PRIOR, PHRASE_MATCH, AdaptiveLength, Unverified
+from .catch_up import catch_up_pays
 from .decision import decision
 from .shared import REACH_TICKS, QuietRun, SlotRecords, TickPlan, beside_prompt, plan_key
 from .tree_sizer import TreeSizer
 
-# The most tokens over which the draft model's catching up is expected to pay back (AutoPolicy._catch_up_pays): an
-# estimate near break-even may turn drafting off again within as many steps, and the next start catches up again.
-# docs/methods.md#measured-constants: CATCH_UP_HORIZON
-CATCH_UP_HORIZON = PROBE_EVERY_MAX
-# A probe's catching up is what exploring costs: at most this share of the plain steps left (up to CATCH_UP_HORIZON),
-# so that a probe after a long prompt does not cost a short answer more than it could win back.
-# docs/methods.md#measured-constants: PROBE_CATCH_UP_SHARE
-PROBE_CATCH_UP_SHARE = 0.1
 # While a pool's plan stands (REACH_TICKS ticks where nothing drafts), the cost model learns from one quiet tick in
 # this many (its first slot's step): the prices learned meanwhile price only the next plan, and learning from every
 # tick cost a pool of 8 quiet slots as much as their planning (docs/methods.md#measured-constants: QUIET_LEARN_EVERY)
@@ -289,7 +282,7 @@ class AutoPolicy:
             return PLAIN
         if self._models_off and beside_prompt(self.lanes, self.lane):
             return self._beside_prompt(context, k)
-        # the drafting models' lengths, priced once a step: _catch_up_pays and choose take them from here
+        # the drafting models' lengths, priced once a step: catch_up_pays and choose take them from here
         planned = self.price_at(len(context))
         self._unverified.judge(context)
         reach = self._lookup_may_pay()
@@ -405,7 +398,7 @@ class AutoPolicy:
             at = record.planned() if planned is None else planned[name]
             if proposer is None:
                 continue
-            if not self._catch_up_pays(proposer, record, context, room, at):
+            if not catch_up_pays(proposer, record, context, room, at, sum(1 for n in self.lanes if n) or 1):
                 if not at and not record.rests():
                     record.defer()
                 continue
@@ -461,27 +454,6 @@ class AutoPolicy:
         the guess instead of a Medusa tree only where this beats the tree's gain. Needs a planned lookup guess."""
         costs = self.source.costs
         return costs.expected_rate(n, self.source.acceptance, free=True) / costs.expected_rate(0, 0)
-
-    def _catch_up_pays(self, proposer: Proposer, m: AdaptiveLength, context: list[int], room: int, k: int) -> bool:
-        """A drafting model (`proposer`, its record `m`) is not started where catching up on the context it has not seen
-        (charged at costs.catch_up a token: a draft model's step, an upper bound; the MTP head's share of a catch-up
-        batch) would cost more than drafting can win back: the time its expected gain saves on the
-        tokens left (`room`, at most CATCH_UP_HORIZON), or for a probe, the plain steps between two probes and
-        PROBE_CATCH_UP_SHARE of the plain steps left (in a pool, charged for every busy slot). After a
-        long prompt the draft was not prefilled for, a catch-up takes seconds, more than those steps can win back; in
-        a busy pool it is a tick every slot waits on (docs/methods.md#measured-constants: CATCH_UP_HORIZON). `k`: the
-        model's planned length."""
-        cost = proposer.unseen(context) * m.costs.catch_up
-        if not cost:
-            return True
-        if not k:  # a probe, if any: less than the plain steps between two probes, and a share of those left; in a
-            # pool its catch-up is a tick every busy slot waits on, and each slot probes: charged once for each
-            busy = sum(1 for n in self.lanes if n) or 1
-            return cost * busy <= (min(m.probe_every, PROBE_CATCH_UP_SHARE * min(room, CATCH_UP_HORIZON))
-                                   * m.costs.verify[0])
-        rate = m.costs.expected_rate  # tokens a second: the whole batch's, where other slots share it
-        saved = min(room, CATCH_UP_HORIZON) * (1 / rate(0, 0) - 1 / rate(k, m.acceptance))
-        return cost <= saved
 
     def _model_beats_lookup(self, n: int, length: AdaptiveLength) -> bool:
         """While a drafting model drafts, lookup is not free: the model must still read every token a lookup step
