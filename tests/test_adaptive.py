@@ -596,6 +596,60 @@ def test_a_due_plan_stands_on_while_what_priced_it_has_not_moved(tiny_draft) -> 
         assert pool.priced and min(pool.priced) >= 5 * REACH_TICKS
 
 
+def test_a_pool_that_drafted_nothing_for_reach_ticks_rests_on_its_quiet_plan_beside_prompt_chunks(tiny_draft) -> None:
+    """Beside another slot's prompt chunk (a batch no plan stands for), a slot searches for a lookup guess, until the
+    pool has drafted nothing at that many busy slots for REACH_TICKS ticks: it then rests on its quiet plan there,
+    beside the chunk too, unsearched and unpriced, counted as a plain step; a generation joining takes it too. A
+    step that drafts at that many busy slots ends the rest (here 7 of 8: one slot is idle)."""
+    with open_decoder(tiny_draft) as d:
+        pool = QuietPool(DraftModelProposer(d, d.n_vocab, SamplingParams(), None))
+        records = pool.slots[0].slot_records
+        idle, chunk = (1,) * 7 + (0,), (1, 1, SLOT_CHUNK, 1, 1, 1, 1, 0)
+        stepping, beside = tuple(range(7)), (0, 1, 3, 4, 5, 6)
+        searches = lambda: sum(p["lookup"].searches for p in pool.proposers)  # noqa: E731
+
+        def joined() -> tuple[AutoPolicy, int]:  # a generation joining 6 busy slots: what pricing it took
+            auto = AutoPolicy(pool.pool, 4, model=True, slot_records=records, peers=lambda: 6,
+                              last_tick=lambda: pool.tick)
+            priced = len(pool.priced)
+            begin(auto, LookupProposer(d.n_vocab), pool.proposers[0]["draft"], pool.context)
+            return auto, len(pool.priced) - priced
+
+        pool.run(range(1, 5), lanes=idle, stepping=stepping)
+        before = searches()
+        assert not any(p.source for p in pool.run(range(5, 7), lanes=chunk, stepping=beside))
+        assert searches() - before == len(beside)  # (each slot's step beside the chunk: one tick's)
+        pool.run(range(7, REACH_TICKS + 10), lanes=idle, stepping=stepping)
+        pool.priced.clear()
+        before = searches()
+        plain = lambda: [(auto.decision(), auto.steps[None])[1] for auto in pool.slots]  # noqa: E731 (settled)
+        steps = plain()
+        plans = pool.run(range(REACH_TICKS + 10, REACH_TICKS + 20), lanes=chunk, stepping=beside)
+        assert not any(p.source for p in plans) and searches() == before and not pool.priced
+        assert plain() == [n + 10 * (lane in beside) for lane, n in enumerate(steps)]
+        pool.priced.clear()  # (what decision() priced to say why)
+        auto, priced = joined()  # (no plan for its batch of 7 steps stands: the rest's)
+        assert not priced and step(auto, pool.proposers[0], pool.context, 4, room=500)[0] == PLAIN
+        assert not pool.priced
+        records.drafted(7, REACH_TICKS + 20)  # (as a slot's step that drafted tells its pool: below)
+        pool.run(range(REACH_TICKS + 20, REACH_TICKS + 22), lanes=chunk, stepping=beside)
+        assert searches() - before == 2 * len(beside)  # (both ticks' steps beside the chunk)
+
+
+def test_a_step_that_drafts_in_a_pool_tells_its_pool_at_how_many_busy_slots() -> None:
+    """A lookup guess that pays beside one other busy slot is verified; the pool's records then hold the tick it
+    drafted at (SlotRecords.quiet_since: no rest at 2 busy slots from then on)."""
+    records = SlotRecords()
+    auto = AutoPolicy(XEON_POOL, 4, model=False, slot_records=records)
+    proposers = begin(auto, LookupProposer(4096))
+    auto.observe(PLAIN, NO_DRAFT, Verdict([0], 0, 0.0, 1, 0, shape=BatchShape((1, 1, 0), 9), lane=0), None)
+    plan, draft = step(auto, proposers, [7, 8, 9, 5, 7, 8, 9, 5, 7, 8], 4)
+    assert plan.source == "lookup" and draft.tokens
+    auto.observe(plan, draft, Verdict([*draft.tokens, 0], len(draft.tokens), 0.0, len(draft.tokens) + 1, 0,
+                                      shape=BatchShape((1 + len(draft.tokens), 1, 0), 10), lane=0), None)
+    assert records.quiet_since == {2: 10}
+
+
 def test_a_plan_worked_out_after_a_later_batch_stands_for_a_slot_whose_last_batch_was_earlier() -> None:
     """A slot whose last batch is older than the plan's (its prompt went on meanwhile) takes it: the same shape at
     newer prices (it priced its own before, and its plan replaced the newer one for every slot)."""

@@ -14,7 +14,7 @@ from . import PLAIN, Plan, Timing, check_tree, observe_tree
 from .adaptive import COPY_PRIOR, PHRASE_MATCH, AdaptiveLength, Unverified
 from .catch_up import catch_up_pays
 from .decision import decision
-from .shared import REACH_TICKS, QuietRun, SlotRecords, TickPlan, beside_prompt, plan_key
+from .shared import REACH_TICKS, QuietRun, SlotRecords, TickPlan, beside_prompt, busy, plan_key
 from .tree_sizer import TreeSizer
 
 # While a pool's plan stands (REACH_TICKS ticks where nothing drafts), the cost model learns from one quiet tick in
@@ -159,14 +159,16 @@ class AutoPolicy:
     def _join(self, n_ctx: int) -> bool:
         """Where this generation joins busy slots whose pool's plan prices every slot busy (no record moved since:
         SlotRecords.renew), take it as of the batch it was worked out after, for begin and the first step (the next
-        batch's number tells whether it stood that long). Whether it did."""
+        batch's number tells whether it stood that long); else the plan the pool rests on (SlotRecords.rest_plan).
+        Whether it did."""
         if self.slot_records is None or not self.peers:
             return False
         costs = self.context_costs.at(n_ctx)
         plan = self.slot_records.plans.get(self._plan_key(costs))
-        if plan is None or plan.costs is not costs:
+        if plan is not None and plan.costs is costs:
+            self.tick = plan.tick
+        elif (plan := self.slot_records.rest_plan(busy(self.lanes), costs, self.tick)) is None:
             return False
-        self.tick = plan.tick
         self._take(plan, n_ctx)
         return True
 
@@ -329,11 +331,12 @@ class AutoPolicy:
     def _quiet(self, context: Context) -> bool:
         """A pool's plain step known without pricing it, as most are where nothing pays (beside many busy slots on a
         CPU): the pool's plan that priced this slot's last step, or the one standing for this context and batch (as
-        price_at takes it), has no model drafting and no lookup guess worth searching for, and no probe is due (or
-        the one due is not worth it at the plan's prices: deferred here, as the full plan would). Counted as the full
-        plan would count it; the first drafting model's record times it (the full plan's catch-up rule is weighed
-        when a probe is made); guesses left unverified judged as far as the context has caught up with them (the
-        rest later: what was committed stays). The steps after it run on the plan unasked (QuietRun)."""
+        price_at takes it), else the one the pool rests on (SlotRecords.rest_plan), has no model drafting and no
+        lookup guess worth searching for, and no probe is due (or the one due is not worth it at the plan's prices:
+        deferred here, as the full plan would). Counted as the full plan would count it; the first drafting model's
+        record times it (the full plan's catch-up rule is weighed when a probe is made); guesses left unverified judged
+        as far as the context has caught up with them (the rest later: what was committed stays). The steps after it
+        run on the plan unasked (QuietRun)."""
         if self._unverified:
             self._unverified.judge(context.tokens)
         n_ctx = len(context)
@@ -341,10 +344,17 @@ class AutoPolicy:
         if now is None or now.replaced or n_ctx > self._last_ctx or self.lanes != now.lanes or self.tick >= now.until:
             costs = self.context_costs.at(n_ctx)  # the pool's plan that price_at would take, where one stands
             now = self.slot_records.standing(self._plan_key(costs), costs, self.tick)
+            if now is not None:
+                self._take(now, n_ctx)
+        count = busy(self.lanes)
+        if now is not None and now.quiet:
+            self.slot_records.rested(count, now, self.tick)
+        elif now is None or not now.drafts:  # none quiet for this batch: the one the pool rests on here, if it does
+            now = self.slot_records.rest_plan(count, self.context_costs.at(n_ctx), self.tick)
             if now is None:
                 return False
             self._take(now, n_ctx)
-        if not now.quiet:
+        else:
             return False
         records = self._model_records
         if len(records) > 1 and not all(record.rests() for record in records):  # (none counts unless all rest)
@@ -398,7 +408,7 @@ class AutoPolicy:
             at = record.planned() if planned is None else planned[name]
             if proposer is None:
                 continue
-            if not catch_up_pays(proposer, record, context, room, at, sum(1 for n in self.lanes if n) or 1):
+            if not catch_up_pays(proposer, record, context, room, at, busy(self.lanes) or 1):
                 if not at and not record.rests():
                     record.defer()
                 continue
@@ -420,6 +430,8 @@ class AutoPolicy:
             if shape.tick % QUIET_LEARN_EVERY == 0 and timing is not None and not self.source.costs.learned(shape.tick):
                 self.source.update(0, 0, timing)  # (the tick's first slot teaches the cost model)
             return
+        if draft.tokens and self.slot_records is not None:  # the pool drafts at this many busy slots: no rest there
+            self.slot_records.drafted(busy(shape.lanes), shape.tick)
         for _, record, slots in self.models() if verdict.shape.lanes else ():
             if slots is not None:
                 slots[self.lane] = record

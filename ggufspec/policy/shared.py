@@ -28,6 +28,11 @@ def beside_prompt(lanes: tuple[int, ...], lane: int) -> bool:
     return max(lanes, default=0) >= SLOT_CHUNK and any(n >= SLOT_CHUNK for i, n in enumerate(lanes) if i != lane)
 
 
+def busy(lanes: tuple[int, ...]) -> int:
+    """The busy slots in a batch of `lanes` (a pool's rests are kept by this count: SlotRecords.rest_plan)."""
+    return len(lanes) - lanes.count(0)
+
+
 def plan_key(costs: CostModel, lanes: tuple[int, ...], lane: int, k_max: int, models: tuple[str, ...],
              own: bool = False) -> tuple | None:
     """The key of a pool's plan (TickPlan) for the steps of slot `lane` after a batch of `lanes` tokens of each
@@ -77,6 +82,7 @@ class TickPlan:
 
     def __post_init__(self) -> None:
         self.idle = self.planned is not None and not any(self.planned.values())  # no model drafts: it may stand
+        self.drafts = self.planned is not None and not self.idle  # a model drafts
         # the first tick it no longer prices (price_at): the next where a model drafts; else (none, or beside a
         # prompt's chunks, where each step chooses) REACH_TICKS on, unless a model drafts sooner (AutoPolicy.observe)
         self.lasting = self.idle or self.planned is None  # (a plan priced again next tick never stands longer)
@@ -142,20 +148,26 @@ class SlotRecords:
     mtp: dict[int, AdaptiveLength] = field(default_factory=dict)  # the MTP heads'
     contexts: dict[int, ContextCosts] = field(default_factory=dict)  # by id of the measured cost model
     plans: dict[tuple, TickPlan] = field(default_factory=dict)  # AutoPolicy.price_at's, by plan_key
+    quiet_since: dict[int, int] = field(default_factory=dict)  # by busy slots: since which batch none drafted there
+    rests: dict[tuple[int, int], TickPlan] = field(default_factory=dict)  # rest_plan's, by busy slots and cost model
 
     def standing(self, key: tuple | None, costs: CostModel, tick: int) -> TickPlan | None:
         """The plan under `key` that prices the steps after batch `tick` at `costs`, where one stands: before its
         `until`, or due but priced from what has not moved since (PLAN_DRIFT: it then stands REACH_TICKS more). A
         plan worked out after a later batch than `tick` stands too (the same shape, newer prices)."""
         plan = self.plans.get(key) if key is not None else None
-        if plan is None or plan.costs is not costs:
-            return None
+        return plan if plan is not None and self._stands(plan, costs, tick) else None
+
+    def _stands(self, plan: TickPlan, costs: CostModel, tick: int) -> bool:
+        """Whether `plan` prices the steps after batch `tick` at `costs` (standing's rule)."""
+        if plan.costs is not costs:
+            return False
         if tick < plan.until:
-            return plan
+            return True
         if plan.lasting and drift(plan.basis, self.basis(costs)) <= PLAN_DRIFT:
             plan.until = tick + REACH_TICKS
-            return plan
-        return None
+            return True
+        return False
 
     def basis(self, costs: CostModel) -> tuple:
         """What a plan at `costs` is priced from: its prices (CostModel.table), and each drafting model's slots'
@@ -176,6 +188,27 @@ class SlotRecords:
             old.replaced = True
         self.plans[plan.key] = plan
         return plan
+
+    def rest_plan(self, busy: int, costs: CostModel, tick: int) -> TickPlan | None:
+        """The plan the pool rests on at `busy` busy slots and `costs` (a context size's) after batch `tick`, if it
+        does: the last quiet plan found there (no model drafts, no lookup guess could pay: `rested`), while it stands
+        (as `standing` says: on past its due tick while nothing it was priced from moved), where no step has drafted at this many busy slots for REACH_TICKS ticks. A step whose batch has no quiet plan
+        of its own standing (another slot's prompt chunk beside it, an idle slot elsewhere, a generation joining)
+        takes it unpriced (AutoPolicy._quiet, _join): pricing each such batch anew was most of `auto`'s planning in a
+        busy pool where nothing pays (docs/engine-overhead.md). A context size new to the pool is priced."""
+        plan = self.rests.get((busy, id(costs)))
+        if plan is None or plan.replaced or tick - self.quiet_since.get(busy, tick) < REACH_TICKS:
+            return None
+        return plan if self._stands(plan, costs, tick) else None
+
+    def rested(self, busy: int, plan: TickPlan, tick: int) -> None:
+        """`plan` stands quiet for a step at `busy` busy slots after batch `tick`: the one the pool rests on there."""
+        self.quiet_since.setdefault(busy, tick)
+        self.rests[busy, id(plan.costs)] = plan
+
+    def drafted(self, busy: int, tick: int) -> None:
+        """A step drafted in batch `tick` of `busy` busy slots: no rest there for REACH_TICKS ticks."""
+        self.quiet_since[busy] = tick
 
     def renew(self) -> None:
         """A slot's record restarted (a generation begins): every plan priced with the old one is priced again."""
