@@ -251,7 +251,8 @@ class AutoPolicy:
 
     def plan(self, context: Context, room: int, deferred: int) -> Plan:
         run = self._run  # a quiet run goes on while the pool's plan stands for batches like the one it began after
-        if run.left and not run.plan.replaced and self.tick < run.plan.until and self.lanes == run.lanes:
+        if run.left and not run.plan.replaced and self.tick < run.plan.until and (self.lanes == run.lanes
+                                                                                 or run.goes_on(self.lanes)):
             run.left -= 1
             return PLAIN
         self._settle()
@@ -336,7 +337,7 @@ class AutoPolicy:
         deferred here, as the full plan would). Counted as the full plan would count it; the first drafting model's
         record times it (the full plan's catch-up rule is weighed when a probe is made); guesses left unverified judged
         as far as the context has caught up with them (the rest later: what was committed stays). The steps after it
-        run on the plan unasked (QuietRun)."""
+        run on the plan unasked (QuietRun), on the pool's rest after other batches of as many busy slots too."""
         if self._unverified:
             self._unverified.judge(context.tokens)
         n_ctx = len(context)
@@ -347,12 +348,11 @@ class AutoPolicy:
             if now is not None:
                 self._take(now, n_ctx)
         count = busy(self.lanes)
+        rest = self.slot_records.rest_plan(count, self.context_costs.at(n_ctx), self.tick)
         if now is not None and now.quiet:
             self.slot_records.rested(count, now, self.tick)
-        elif now is None or not now.drafts:  # none quiet for this batch: the one the pool rests on here, if it does
-            now = self.slot_records.rest_plan(count, self.context_costs.at(n_ctx), self.tick)
-            if now is None:
-                return False
+        elif rest is not None and (now is None or not now.drafts):  # none quiet for this batch: the pool's rest
+            now = rest
             self._take(now, n_ctx)
         else:
             return False
@@ -368,7 +368,8 @@ class AutoPolicy:
         self._proposed = None
         self.unsearched += 1
         self.steps[None] += 1
-        self._run.start(now, self.lanes, self._model_records, self._last_ctx - n_ctx)
+        self._run.start(now, self.lanes, self._model_records, self._last_ctx - n_ctx,
+                        self.slot_records if now is rest else None)
         return True
 
     def _settle(self) -> None:
@@ -430,7 +431,9 @@ class AutoPolicy:
             if shape.tick % QUIET_LEARN_EVERY == 0 and timing is not None and not self.source.costs.learned(shape.tick):
                 self.source.update(0, 0, timing)  # (the tick's first slot teaches the cost model)
             return
-        if draft.tokens and self.slot_records is not None:  # the pool drafts at this many busy slots: no rest there
+        # the pool's steps draft at this many busy slots: no rest there (a guess beside a prompt's chunk, which the
+        # rest forgoes, does not end it: it would, whenever one was found before the pool rested again)
+        if draft.tokens and self.slot_records is not None and not beside_prompt(shape.lanes, self.lane):
             self.slot_records.drafted(busy(shape.lanes), shape.tick)
         for _, record, slots in self.models() if verdict.shape.lanes else ():
             if slots is not None:

@@ -117,15 +117,27 @@ class QuietRun:
     lanes: tuple[int, ...] = ()  # the batch it began after
     left: int = 0  # the steps it may still take
     granted: int = 0
+    rest: tuple[SlotRecords, int, int] | None = None  # riding the pool's rest: (the pool's, busy slots, its epoch)
 
-    def start(self, plan: TickPlan, lanes: tuple[int, ...], records: tuple[AdaptiveLength, ...], room: int) -> None:
+    def start(self, plan: TickPlan, lanes: tuple[int, ...], records: tuple[AdaptiveLength, ...], room: int,
+              pool: SlotRecords | None = None) -> None:
         """A run on `plan` after batch `lanes`: `room` plain steps at most (to the longest context its cost model
         prices: each commits one token), and to the next probe of `records` due, unless the plan says a lone
-        drafting model's probes would not pay (each falling due is then deferred, as _quiet defers it)."""
+        drafting model's probes would not pay (each falling due is then deferred, as _quiet defers it). `pool`: the
+        pool whose rest `plan` is (SlotRecords.rest_plan), where the run goes on after other batches too (goes_on)."""
         if not (len(records) == 1 and not plan.worth_probing(records[0])):  # (else each probe due is deferred)
             room = min([room, *(r.rests_for() for r in records)])  # (no drafting model: lookup's alone)
         self.plan, self.lanes = plan, lanes
         self.left = self.granted = max(0, room)
+        self.rest = (pool, busy(lanes), pool.epoch) if pool is not None else None
+
+    def goes_on(self, lanes: tuple[int, ...]) -> bool:
+        """Whether a run on the pool's rest goes on after a batch of `lanes` (not the one it began after): as many
+        busy slots, none of whose steps drafted since (SlotRecords.drafted)."""
+        if self.rest is None:
+            return False
+        pool, count, epoch = self.rest
+        return pool.epoch == epoch and busy(lanes) == count
 
     def settle(self, records: tuple[AdaptiveLength, ...]) -> int:
         """The run's steps taken, counted to `records` as rest() counts each (a probe falling due deferred); the run
@@ -150,6 +162,7 @@ class SlotRecords:
     plans: dict[tuple, TickPlan] = field(default_factory=dict)  # AutoPolicy.price_at's, by plan_key
     quiet_since: dict[int, int] = field(default_factory=dict)  # by busy slots: since which batch none drafted there
     rests: dict[tuple[int, int], TickPlan] = field(default_factory=dict)  # rest_plan's, by busy slots and cost model
+    epoch: int = 0  # steps that drafted so far (QuietRun.goes_on)
 
     def standing(self, key: tuple | None, costs: CostModel, tick: int) -> TickPlan | None:
         """The plan under `key` that prices the steps after batch `tick` at `costs`, where one stands: before its
@@ -207,8 +220,10 @@ class SlotRecords:
         self.rests[busy, id(plan.costs)] = plan
 
     def drafted(self, busy: int, tick: int) -> None:
-        """A step drafted in batch `tick` of `busy` busy slots: no rest there for REACH_TICKS ticks."""
+        """A step drafted in batch `tick` of `busy` busy slots (beside no prompt's chunk): no rest there for
+        REACH_TICKS ticks."""
         self.quiet_since[busy] = tick
+        self.epoch += 1
 
     def renew(self) -> None:
         """A slot's record restarted (a generation begins): every plan priced with the old one is priced again."""
