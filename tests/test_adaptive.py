@@ -638,18 +638,25 @@ def test_a_pool_that_drafted_nothing_for_reach_ticks_rests_on_its_quiet_plan_bes
 
 def test_a_quiet_run_on_the_pool_s_rest_goes_on_after_batches_of_as_many_busy_slots_until_a_step_drafts() -> None:
     """A slot's quiet run on the pool's rest is not asked again after a batch of another shape with as many busy
-    slots (another slot's prompt chunk), but is after one with fewer, after any step of the pool drafted, and, on a
-    plan of its batch's own, after any other batch."""
+    slots (another slot's prompt chunk), nor with as many as the pool rests at too, but is after one with fewer where
+    it does not, after any step of the pool drafted, and, on a plan of its batch's own, after any other batch."""
     pool, records = SlotRecords(), (AdaptiveLength(XEON_POOL, 4, free=True),)
-    plan = TickPlan(3, {}, (), XEON_POOL, ("key",), (1,) * 4)
-    plan.reached(False)
+
+    def quiet(lanes: tuple[int, ...]) -> TickPlan:
+        plan = pool.put(TickPlan(3, {}, (), XEON_POOL, (lanes,), lanes))
+        plan.reached(False)
+        return plan
+
+    plan, fewer = quiet((1,) * 4), quiet((1, 0, 1, 1))
     run, own = QuietRun(), QuietRun()
     run.start(plan, (1,) * 4, records, 100, pool)
     own.start(plan, (1,) * 4, records, 100)
-    assert run.goes_on((1, SLOT_CHUNK, 1, 1)) and not run.goes_on((1, 0, 1, 1))
-    assert not own.goes_on((1, SLOT_CHUNK, 1, 1))
+    assert run.goes_on((1, SLOT_CHUNK, 1, 1), 5) and not run.goes_on((1, 0, 1, 1), 5)
+    assert not own.goes_on((1, SLOT_CHUNK, 1, 1), 5)
+    pool.rested(3, fewer, 3)  # the pool rests at 3 busy slots from REACH_TICKS ticks on
+    assert not run.goes_on((1, 0, 1, 1), 4) and run.goes_on((1, 0, 1, 1), 3 + REACH_TICKS)
     pool.drafted(4, 9)
-    assert not run.goes_on((1, SLOT_CHUNK, 1, 1))
+    assert not run.goes_on((1, SLOT_CHUNK, 1, 1), 10)
 
 
 def test_a_step_that_drafts_in_a_pool_tells_its_pool_at_how_many_busy_slots() -> None:

@@ -252,7 +252,7 @@ class AutoPolicy:
     def plan(self, context: Context, room: int, deferred: int) -> Plan:
         run = self._run  # a quiet run goes on while the pool's plan stands for batches like the one it began after
         if run.left and not run.plan.replaced and self.tick < run.plan.until and (self.lanes == run.lanes
-                                                                                 or run.goes_on(self.lanes)):
+                                                                                 or run.goes_on(self.lanes, self.tick)):
             run.left -= 1
             return PLAIN
         self._settle()

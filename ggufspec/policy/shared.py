@@ -131,13 +131,15 @@ class QuietRun:
         self.left = self.granted = max(0, room)
         self.rest = (pool, busy(lanes), pool.epoch) if pool is not None else None
 
-    def goes_on(self, lanes: tuple[int, ...]) -> bool:
-        """Whether a run on the pool's rest goes on after a batch of `lanes` (not the one it began after): as many
-        busy slots, none of whose steps drafted since (SlotRecords.drafted)."""
+    def goes_on(self, lanes: tuple[int, ...], tick: int) -> bool:
+        """Whether a run on the pool's rest goes on after batch `tick` of `lanes` (not the one it began after): as
+        many busy slots, none of whose steps drafted since (SlotRecords.drafted), or as many as the pool rests at too
+        (SlotRecords.rest_plan, at the plan's context size: the run ends at its last)."""
         if self.rest is None:
             return False
         pool, count, epoch = self.rest
-        return pool.epoch == epoch and busy(lanes) == count
+        now = busy(lanes)
+        return (pool.epoch == epoch and now == count) or pool.rest_plan(now, self.plan.costs, tick) is not None
 
     def settle(self, records: tuple[AdaptiveLength, ...]) -> int:
         """The run's steps taken, counted to `records` as rest() counts each (a probe falling due deferred); the run
