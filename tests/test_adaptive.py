@@ -651,12 +651,13 @@ def test_a_quiet_run_on_the_pool_s_rest_goes_on_after_batches_of_as_many_busy_sl
     run, own = QuietRun(), QuietRun()
     run.start(plan, (1,) * 4, records, 100, pool)
     own.start(plan, (1,) * 4, records, 100)
-    assert run.goes_on((1, SLOT_CHUNK, 1, 1), 5) and not run.goes_on((1, 0, 1, 1), 5)
-    assert not own.goes_on((1, SLOT_CHUNK, 1, 1), 5)
+    assert run.goes_on((1, SLOT_CHUNK, 1, 1), 5) and run.lanes == (1, SLOT_CHUNK, 1, 1)  # (not asked again)
+    assert not run.goes_on((1, 0, 1, 1), 5) and not own.goes_on((1, SLOT_CHUNK, 1, 1), 5)
+    pool.drafted(4, 9)  # a step beside 3 busy slots drafted
+    assert not run.goes_on((1, 1, SLOT_CHUNK, 1), 10)
+    run.start(plan, (1,) * 4, records, 100, pool)
     pool.rested(3, fewer, 3)  # the pool rests at 3 busy slots from REACH_TICKS ticks on
-    assert not run.goes_on((1, 0, 1, 1), 4) and run.goes_on((1, 0, 1, 1), 3 + REACH_TICKS)
-    pool.drafted(4, 9)
-    assert not run.goes_on((1, SLOT_CHUNK, 1, 1), 10)
+    assert not run.goes_on((1, 0, 1, 1), 11) and run.goes_on((1, 0, 1, 1), 3 + REACH_TICKS)
 
 
 def test_a_step_that_drafts_in_a_pool_tells_its_pool_at_how_many_busy_slots() -> None:

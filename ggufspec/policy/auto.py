@@ -251,8 +251,8 @@ class AutoPolicy:
 
     def plan(self, context: Context, room: int, deferred: int) -> Plan:
         run = self._run  # a quiet run goes on while the pool's plan stands for batches like the one it began after
-        if run.left and not run.plan.replaced and self.tick < run.plan.until and (self.lanes == run.lanes
-                                                                                 or run.goes_on(self.lanes, self.tick)):
+        if (run.left and not run.plan.replaced and self.tick < run.plan.until
+                and (self.lanes == run.lanes or run.goes_on(self.lanes, self.tick))):
             run.left -= 1
             return PLAIN
         self._settle()
@@ -348,13 +348,15 @@ class AutoPolicy:
             if now is not None:
                 self._take(now, n_ctx)
         count = busy(self.lanes)
-        rest = self.slot_records.rest_plan(count, self.context_costs.at(n_ctx), self.tick)
-        if now is not None and now.quiet:
+        if now is not None and now.quiet:  # (where the pool rests, it rests on the last one found)
             self.slot_records.rested(count, now, self.tick)
-        elif rest is not None and (now is None or not now.drafts):  # none quiet for this batch: the pool's rest
+        rest = self.slot_records.rest_plan(count, self.context_costs.at(n_ctx), self.tick)
+        if now is None or not (now.quiet or now.drafts):  # none quiet for this batch: the pool's rest, if it rests
+            if rest is None:
+                return False
             now = rest
             self._take(now, n_ctx)
-        else:
+        elif not now.quiet:
             return False
         records = self._model_records
         if len(records) > 1 and not all(record.rests() for record in records):  # (none counts unless all rest)

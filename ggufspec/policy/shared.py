@@ -134,12 +134,16 @@ class QuietRun:
     def goes_on(self, lanes: tuple[int, ...], tick: int) -> bool:
         """Whether a run on the pool's rest goes on after batch `tick` of `lanes` (not the one it began after): as
         many busy slots, none of whose steps drafted since (SlotRecords.drafted), or as many as the pool rests at too
-        (SlotRecords.rest_plan, at the plan's context size: the run ends at its last)."""
+        (SlotRecords.rest_plan, at the plan's context size: the run ends at its last). Where it does, the run goes on
+        as if it began after `lanes` (the next steps after such batches are not asked this again)."""
         if self.rest is None:
             return False
         pool, count, epoch = self.rest
         now = busy(lanes)
-        return (pool.epoch == epoch and now == count) or pool.rest_plan(now, self.plan.costs, tick) is not None
+        if (pool.epoch == epoch and now == count) or pool.rest_plan(now, self.plan.costs, tick) is not None:
+            self.lanes, self.rest = lanes, (pool, now, pool.epoch)
+            return True
+        return False
 
     def settle(self, records: tuple[AdaptiveLength, ...]) -> int:
         """The run's steps taken, counted to `records` as rest() counts each (a probe falling due deferred); the run
