@@ -211,10 +211,11 @@ class SlotRecords:
     def rest_plan(self, busy: int, costs: CostModel, tick: int) -> TickPlan | None:
         """The plan the pool rests on at `busy` busy slots and `costs` (a context size's) after batch `tick`, if it
         does: the last quiet plan found there (no model drafts, no lookup guess could pay: `rested`), while it stands
-        (as `standing` says: on past its due tick while nothing it was priced from moved), where no step has drafted at this many busy slots for REACH_TICKS ticks. A step whose batch has no quiet plan
-        of its own standing (another slot's prompt chunk beside it, an idle slot elsewhere, a generation joining)
-        takes it unpriced (AutoPolicy._quiet, _join): pricing each such batch anew was most of `auto`'s planning in a
-        busy pool where nothing pays (docs/engine-overhead.md). A context size new to the pool is priced."""
+        (as `standing` says: on past its due tick while nothing it was priced from moved), where no step has drafted
+        at this many busy slots for REACH_TICKS ticks. A step whose batch has no quiet plan of its own standing
+        (another slot's prompt chunk beside it, an idle slot elsewhere, a generation joining) takes it unpriced
+        (AutoPolicy._quiet, _join): pricing each such batch anew was most of `auto`'s planning in a busy pool where
+        nothing pays (docs/engine-overhead.md). A context size new to the pool is priced."""
         plan = self.rests.get((busy, id(costs)))
         if plan is None or plan.replaced or tick - self.quiet_since.get(busy, tick) < REACH_TICKS:
             return None
