@@ -197,6 +197,7 @@ def test_seeded_sampling_is_reproducible(tiny_target, tiny_draft) -> None:
     assert a.tokens != c.tokens
 
 
+@pytest.mark.slow
 def test_ignore_eos_goes_on_with_the_targets_own_pick_among_the_other_tokens(smollm2_path, smollm2_q4_0) -> None:
     """llama-server's ignore_eos: an answer that ends by itself goes on to max_tokens, each token the target's argmax
     with its end-of-generation tokens left out (checked against single-token decoding by hand), the same text for

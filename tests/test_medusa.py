@@ -120,6 +120,7 @@ def test_greedy_medusa_equals_autoregressive_tiny(tiny_target, heads_fixture, re
                 assert len(got.tokens) == len(ref.tokens)
 
 
+@pytest.mark.slow
 def test_greedy_medusa_equals_autoregressive_smollm2(smollm2_path, demo_heads, tmp_path) -> None:
     """The heads' own tree, named so that it is verified whole every step (the sizer would cut it to what pays
     on this machine, often nothing)."""

@@ -432,6 +432,7 @@ def test_serve_tells_health_polls_without_the_key_no_more_than_a_reason(smollm2_
     assert "Traceback" not in log, log
 
 
+@pytest.mark.slow
 @needs_rpc
 def test_serve_measures_the_round_trip_again_when_its_server_comes_back(smollm2_path) -> None:
     # rpc_round_trip_ms was measured once, at load: after a restart (a new link) it stayed the same float
