@@ -347,17 +347,17 @@ class AutoPolicy:
             now = self.slot_records.standing(self._plan_key(costs), costs, self.tick)
             if now is not None:
                 self._take(now, n_ctx)
+        if now is not None and now.drafts:
+            return False
         count = busy(self.lanes)
         if now is not None and now.quiet:  # (where the pool rests, it rests on the last one found)
             self.slot_records.rested(count, now, self.tick)
         rest = self.slot_records.rest_plan(count, self.context_costs.at(n_ctx), self.tick)
-        if now is None or not (now.quiet or now.drafts):  # none quiet for this batch: the pool's rest, if it rests
+        if now is None or not now.quiet:  # none quiet for this batch: the pool's rest, if it rests
             if rest is None:
                 return False
             now = rest
             self._take(now, n_ctx)
-        elif not now.quiet:
-            return False
         records = self._model_records
         if len(records) > 1 and not all(record.rests() for record in records):  # (none counts unless all rest)
             return False
