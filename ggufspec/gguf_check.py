@@ -7,9 +7,13 @@ Type sizes come from gguf-py's tables.
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import os
 import struct
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +25,7 @@ MAX_DIMS = 4
 
 # GGUFValueType -> struct format of a scalar; STRING (8) and ARRAY (9) are variable length.
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRUCTS = {fmt: struct.Struct("<" + fmt) for fmt in _SCALARS.values()}
 _STRING, _ARRAY = 8, 9
 # Numeric arrays of at most this many values are read as tuples (per-layer hyperparameters: llama.cpp's
 # LLAMA_MAX_LAYERS); longer ones (a vocabulary's scores, types), and arrays of strings, as their length.
@@ -48,10 +53,13 @@ class TensorInfo:
 @dataclass(frozen=True)
 class GGUFHeader:
     version: int
-    metadata: dict[str, object]  # scalars and strings; arrays as their length
+    metadata: dict[str, object]  # scalars and strings; arrays as their length (read only: see headers_kept)
     tensors: tuple[TensorInfo, ...]
     data_start: int
     file_size: int
+    # a digest of the token texts as stored (tokenizer.ggml.tokens, its count included; empty without one): files
+    # whose digests are equal have the same vocabulary, text for text (pairing.check_pair reads this first)
+    tokens_digest: bytes = b""
 
 
 class _Cursor:
@@ -69,7 +77,8 @@ class _Cursor:
         return out
 
     def scalar(self, fmt: str):
-        return struct.unpack("<" + fmt, self.take(struct.calcsize(fmt)))[0]
+        unpack = _STRUCTS[fmt]
+        return unpack.unpack(self.take(unpack.size))[0]
 
     def string(self) -> bytes:
         return self.take(self.scalar("Q"))
@@ -87,41 +96,90 @@ class _Cursor:
             if item in _SCALARS:
                 self.take(count * struct.calcsize(_SCALARS[item]))
             elif item == _STRING:
-                seen: set[bytes] | None = set() if unique else None
-                for _ in range(count):
-                    s = self.take(self.scalar("Q"))
-                    if seen is not None:
-                        if s in seen:
-                            raise ModelFileError(f"{self.path}: damaged vocabulary: token {s[:40]!r} is listed twice. "
-                                                 "Download or convert the model again.")
-                        seen.add(s)
+                self.strings(count, unique)
             else:
                 for _ in range(count):
                     self.value(item, depth + 1)
             return count
         raise ModelFileError(f"{self.path}: damaged GGUF header (unknown value type {vtype} at offset {self.pos:,}).")
 
+    def strings(self, count: int, unique: bool) -> None:
+        """Skip an array of `count` strings; `unique`: none may repeat. (take's checks, inlined: a vocabulary's
+        tokens and merges are ~100k strings, and a call per string made this most of a small model's load.)"""
+        buf, pos, size = self.buf, self.pos, len(self.buf)
+        length = _STRUCTS["Q"].unpack_from
+        seen: set[bytes] = set()
+        for _ in range(count):
+            if pos + 8 > size:
+                break
+            n = length(buf, pos)[0]
+            if pos + 8 + n > size:
+                break
+            pos += 8 + n
+            if unique:
+                s = buf[pos - n : pos]
+                if s in seen:
+                    raise ModelFileError(f"{self.path}: damaged vocabulary: token {s[:40]!r} is listed twice. "
+                                         "Download or convert the model again.")
+                seen.add(s)
+        else:
+            self.pos = pos
+            return
+        self.pos = pos
+        self.string()  # past the end: take's error
+
+
+_kept = threading.local()  # headers_kept's, per thread
+
+
+@contextmanager
+def headers_kept() -> Iterator[None]:
+    """Within, read_header on this thread parses each file once and returns the same header after (a load reads its
+    files' headers at several steps: each parse walks the whole vocabulary). Files are told apart by device, inode,
+    size and modification time, and kept only while inside: outside, a file rewritten in place within the clock's
+    tick, or a new one on a freed inode, could look unchanged."""
+    outer = getattr(_kept, "headers", None)
+    if outer is None:
+        _kept.headers = {}
+    try:
+        yield
+    finally:
+        if outer is None:
+            _kept.headers = None
+
 
 def read_header(path: str | os.PathLike) -> GGUFHeader:
     """Parse and bounds-check a GGUF header and tensor table; raise ModelFileError on any problem."""
     p = Path(path).expanduser()
+    kept = getattr(_kept, "headers", None)
     with _open(p) as f:
-        size = os.fstat(f.fileno()).st_size
-        if size < 24:
-            raise ModelFileError(f"{p}: {size} bytes is too small for a GGUF file.")
-        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        try:
-            c = _Cursor(buf, p)
-            version, n_tensors, n_kv = _preamble(c, p, size)
-            metadata, arrays = _metadata(c, n_kv)
-            infos = [_tensor_info(c, p) for _ in range(n_tensors)]
-            _check_hparams(metadata, arrays, p)
-            align = metadata.get("general.alignment", 32)
-            if not isinstance(align, int) or align <= 0 or align & (align - 1):
-                raise ModelFileError(f"{p}: invalid general.alignment {align!r}.")
-            data_start = -(-c.pos // align) * align
-        finally:
-            buf.close()
+        st = os.fstat(f.fileno())
+        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        if kept is not None and key in kept:
+            return kept[key]
+        header = _parse(f, p, st.st_size)
+    if kept is not None:
+        kept[key] = header
+    return header
+
+
+def _parse(f, p: Path, size: int) -> GGUFHeader:
+    """read_header's, of the open file `f` of `size` bytes."""
+    if size < 24:
+        raise ModelFileError(f"{p}: {size} bytes is too small for a GGUF file.")
+    buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        c = _Cursor(buf, p)
+        version, n_tensors, n_kv = _preamble(c, p, size)
+        metadata, arrays, tokens_digest = _metadata(c, n_kv)
+        infos = [_tensor_info(c, p) for _ in range(n_tensors)]
+        _check_hparams(metadata, arrays, p)
+        align = metadata.get("general.alignment", 32)
+        if not isinstance(align, int) or align <= 0 or align & (align - 1):
+            raise ModelFileError(f"{p}: invalid general.alignment {align!r}.")
+        data_start = -(-c.pos // align) * align
+    finally:
+        buf.close()
     for t in infos:
         end = data_start + t.offset + t.n_bytes
         if end > size:
@@ -129,7 +187,7 @@ def read_header(path: str | os.PathLike) -> GGUFHeader:
                 f"{p}: truncated: tensor {t.name!r} needs bytes up to {end:,} but the file has {size:,} "
                 f"({end - size:,} bytes missing). Download or convert it again."
             )
-    return GGUFHeader(version, metadata, tuple(infos), data_start, size)
+    return GGUFHeader(version, metadata, tuple(infos), data_start, size, tokens_digest)
 
 
 def _open(p: Path):
@@ -163,17 +221,21 @@ def _preamble(c: _Cursor, p: Path, size: int) -> tuple[int, int, int]:
     return version, n_tensors, n_kv
 
 
-def _metadata(c: _Cursor, n_kv: int) -> tuple[dict[str, object], set[str]]:
-    """The n_kv keys and their values, and which of them are arrays."""
+def _metadata(c: _Cursor, n_kv: int) -> tuple[dict[str, object], set[str], bytes]:
+    """The n_kv keys and their values, which of them are arrays, and GGUFHeader.tokens_digest."""
     metadata: dict[str, object] = {}
     arrays: set[str] = set()
+    digest = b""
     for _ in range(n_kv):
         key = c.string().decode("utf-8", errors="replace")
         vtype = c.scalar("I")
         if vtype == _ARRAY:
             arrays.add(key)
+        start = c.pos
         metadata[key] = c.value(vtype, unique=key == "tokenizer.ggml.tokens")
-    return metadata, arrays
+        if key == "tokenizer.ggml.tokens":
+            digest = hashlib.blake2b(c.buf[start : c.pos], digest_size=16).digest()
+    return metadata, arrays, digest
 
 
 def _tensor_info(c: _Cursor, p: Path) -> TensorInfo:

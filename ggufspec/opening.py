@@ -13,7 +13,7 @@ from typing import TypeVar
 
 from .decoder import DecoderOptions, LlamaCppDecoder
 from .errors import GGUFSpecError, ModelFileError
-from .gguf_check import read_header
+from .gguf_check import headers_kept, read_header
 from .generation import GenerationSettings
 from .isolated import open_target
 from .lockstep import Lockstep
@@ -60,6 +60,7 @@ class Opened:
                 context.close()
 
 
+@headers_kept()  # each file's header is read at several steps: parsed once
 def open_slots(target_path: str | os.PathLike, draft_path: str | os.PathLike | None, options: DecoderOptions | None,
                settings: GenerationSettings, parallel: int, medusa_path: str | os.PathLike | None = None,
                medusa_vocab: int | str | os.PathLike | None = None) -> Opened:

@@ -22,6 +22,12 @@ def is_padding(vocab: Vocab, token: int) -> bool:
     return bool(vocab.attr(token) & llama_cpp.LLAMA_TOKEN_ATTR_UNUSED) or vocab.text(token).startswith(b"[PAD")
 
 
+def _digest(d: HasVocab) -> bytes:
+    """The token texts' digest in the file `d` was loaded from (gguf_check.GGUFHeader.tokens_digest), where known."""
+    header = getattr(d, "header", None)
+    return getattr(header, "tokens_digest", b"")
+
+
 def check_pair(target: HasVocab, draft: HasVocab) -> None:
     """Raise PairingError naming the first difference that would make draft tokens mean other text."""
     tv, dv = target.vocab, draft.vocab
@@ -33,6 +39,8 @@ def check_pair(target: HasVocab, draft: HasVocab) -> None:
         a, b = getattr(tv, name), getattr(dv, name)
         if a != b:
             raise PairingError(f"{where} differ in {name}: {a} vs {b}.")
+    if tv.n_tokens == dv.n_tokens and _digest(target) == _digest(draft) != b"":
+        return  # the same token texts, byte for byte (what the loops below compare, token by token)
     shared = min(tv.n_tokens, dv.n_tokens)
     larger = tv if tv.n_tokens > dv.n_tokens else dv
     for t in range(shared, larger.n_tokens):

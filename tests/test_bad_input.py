@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from ggufspec.cli import main
 from ggufspec.engine import GenerationSettings, SpeculativeEngine
 from ggufspec.errors import ContextLengthError, GGUFSpecError, ModelFileError, PairingError
-from ggufspec.gguf_check import read_header
+from ggufspec.gguf_check import headers_kept, read_header
 from tiny_models import TinyConfig, write_tiny_gguf
 
 
@@ -105,6 +105,27 @@ def test_incompatible_pair_names_the_mismatch(tiny_target, other_vocab) -> None:
         SpeculativeEngine.load(tiny_target, other_vocab)
     r = run_cli("generate", "-m", str(tiny_target), "-d", str(other_vocab), "hi")
     assert r.exit_code == 2 and "token 1000" in r.output
+
+
+def test_the_vocabulary_digest_tells_the_same_token_texts_from_others(tiny_target, tiny_draft, other_vocab) -> None:
+    target, draft, other = (read_header(p).tokens_digest for p in (tiny_target, tiny_draft, other_vocab))
+    assert target and target == draft  # other weights, one vocabulary: check_pair compares no token
+    assert other and other != target  # one token's text differs: check_pair names it (above)
+
+
+def test_a_header_is_parsed_once_within_a_load_and_again_after(smollm2_path, tmp_path) -> None:
+    path = tmp_path / "model.gguf"
+    path.write_bytes(smollm2_path.read_bytes())
+    with headers_kept():
+        first = read_header(path)
+        assert read_header(path) is first
+        with headers_kept():  # nested: the outer scope's
+            assert read_header(path) is first
+        assert read_header(path) is first
+    assert read_header(path) is not first  # outside, each call reads the file
+    path.write_bytes(smollm2_path.read_bytes()[:3000])  # a file damaged in place is refused once the load is over
+    with pytest.raises(ModelFileError, match="truncated"):
+        read_header(path)
 
 
 def test_prompt_longer_than_context(tiny_target) -> None:
