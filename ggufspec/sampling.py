@@ -94,22 +94,47 @@ def _weights(logits: np.ndarray, scale: float) -> np.ndarray:
 
 
 def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """Transformed distribution for each row of `logits` (shape (..., V)); float32, rows sum to 1."""
+    """Transformed distribution for each row of `logits` (shape (..., V)); float32, rows sum to 1. The filters work
+    on the tempered weights (softmax before normalising: each keeps what it would of the distribution), and the
+    rows are normalised once, by float64 sums."""
     if params.greedy:
         out = np.zeros(logits.shape, dtype=np.float32)
         np.put_along_axis(out, logits.argmax(axis=-1)[..., None], 1.0, axis=-1)
         return out
-    probs = softmax(logits, 1.0 / params.temperature)
-    if params.top_k and params.top_k < probs.shape[-1]:
-        kth = np.partition(probs, -params.top_k, axis=-1)[..., -params.top_k, None]
-        probs[probs < kth] = 0.0
+    scale = 1.0 / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        probs = _top_k_weights(logits, params.top_k, scale)
+    else:
+        probs = _weights(logits, scale)
+    mass = probs.sum(axis=-1, keepdims=True, dtype=np.float64)
+    _check_mass(mass)
     if params.top_p < 1.0:
         for row in probs.reshape(-1, probs.shape[-1]):
             _nucleus(row, params.top_p)
     if params.min_p > 0.0:
         probs[probs < params.min_p * probs.max(axis=-1, keepdims=True)] = 0.0
-    probs /= probs.sum(axis=-1, keepdims=True, dtype=np.float64)
+    if params.top_p < 1.0 or params.min_p > 0.0:
+        mass = probs.sum(axis=-1, keepdims=True, dtype=np.float64)
+    probs /= mass
     return probs
+
+
+def _top_k_weights(logits: np.ndarray, k: int, scale: float) -> np.ndarray:
+    """_weights's, kept only for each row's k largest logits (and any tied with the k-th), 0 elsewhere: the tempered
+    order is the logits' order, so the k-th is found among the logits, and exp runs on those kept alone (a 49k-token
+    row's exp, then its partition, took 0.3 ms). A NaN logit is kept (partition puts it among the largest, and every
+    comparison with it fails), so _check_mass sees it."""
+    n_vocab = logits.shape[-1]
+    rows = logits.reshape(-1, n_vocab)
+    top = np.partition(rows, -k, axis=-1)[:, -k:]
+    kept = rows >= top.min(axis=-1, keepdims=True)
+    kept |= np.isnan(rows)
+    at = np.flatnonzero(kept)  # (a 2-D nonzero took 0.27 ms)
+    z = np.multiply(rows.ravel()[at], scale, dtype=np.float32)
+    z -= np.multiply(top.max(axis=-1), scale, dtype=np.float32)[at // n_vocab]
+    out = np.zeros(rows.size, dtype=np.float32)
+    out[at] = np.exp(z)
+    return out.reshape(logits.shape)
 
 
 def _nucleus(p: np.ndarray, top_p: float) -> None:

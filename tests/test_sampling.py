@@ -91,6 +91,26 @@ def test_transform_filters() -> None:
     np.testing.assert_allclose(probabilities(np.tile(logits, (3, 1)), SamplingParams(1.0, top_p=0.69)).sum(-1), 1)
 
 
+def test_top_k_keeps_ties_with_the_kth_and_matches_the_definition_on_a_vocabulary() -> None:
+    tied = np.array([[2.0, 1.0, 1.0, 1.0, 0.0], [0.0, 1.0, 1.0, 1.0, 2.0]], dtype=np.float32)
+    p = probabilities(tied, SamplingParams(1.0, top_k=2))  # tokens tied with the 2nd largest all stay, as before
+    assert (p > 0).tolist() == [[True, True, True, True, False], [False, True, True, True, True]]
+    np.testing.assert_allclose(p.sum(axis=-1), 1)
+    logits = np.random.default_rng(0).normal(0, 3, size=(3, 49152)).astype(np.float32)
+    for params in (SamplingParams(1.5, top_k=6), SamplingParams(0.8, top_k=40, top_p=0.9, min_p=0.05)):
+        want = np.exp((logits.astype(np.float64) - logits.max(axis=-1, keepdims=True)) / params.temperature)
+        kth = np.sort(want, axis=-1)[:, -params.top_k, None]
+        want[want < kth] = 0  # the definition: temperature, then top-k on the distribution, ...
+        if params.top_p < 1:
+            for row in want:
+                order = np.argsort(-row, kind="stable")
+                before = np.cumsum(row[order]) - row[order]
+                row[order[before >= params.top_p * row.sum()]] = 0
+        want[want < params.min_p * want.max(axis=-1, keepdims=True)] = 0
+        want /= want.sum(axis=-1, keepdims=True)
+        np.testing.assert_allclose(probabilities(logits, params), want, atol=1e-6)
+
+
 @pytest.mark.parametrize("kw", [dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1),
                                 dict(min_p=1.5), dict(temperature=float("inf")), dict(temperature=float("nan"))])
 def test_invalid_sampling_values(kw) -> None:
@@ -131,6 +151,9 @@ def test_a_row_of_probabilities_never_holds_a_nan(bad) -> None:
     rng = np.random.default_rng(0)
     with pytest.raises(DistributionError, match="not finite"):
         probabilities(logits, SamplingParams(0.7))
+    for k in (1, 2):  # top-k keeps only the largest logits before exp: a bad one among the rest is caught too
+        with pytest.raises(DistributionError, match="not finite"):
+            probabilities(logits, SamplingParams(0.7, top_k=k))
     with pytest.raises(DistributionError, match="not finite"):
         softmax(logits)
     with pytest.raises(DistributionError, match="not finite"):
