@@ -126,8 +126,10 @@ def _load(path: Path) -> tuple[dict, str | None]:
     return table, None
 
 
-def write_table(path: Path, entries: dict) -> None:
-    """Merge `entries` into the table at `path`, keeping what other processes wrote since this one read it.
+def write_table(path: Path, entries: dict, stale: Callable[[str], bool] | None = None) -> None:
+    """Merge `entries` into the table at `path`, keeping what other processes wrote since this one read it, less the
+    entries whose key `stale` says can never be read again (the table would otherwise grow with every model moved,
+    deleted or downloaded anew).
 
     Under an exclusive lock on a sidecar `.lock` file the table is read again, updated and replaced in one step
     (a reader never sees half a file). A read-only or full cache folder only costs a re-measurement next time:
@@ -136,6 +138,8 @@ def write_table(path: Path, entries: dict) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         with _locked(path):
             table, _ = _load(path)  # a file that is not a table was reported when read, and is replaced
+            if stale is not None:
+                table = {key: value for key, value in table.items() if not stale(key)}
             table.update(entries)
             with temp_output(path) as tmp:  # replaced in one step; the temp file removed whatever fails
                 tmp.write_text(json.dumps(table))

@@ -143,6 +143,24 @@ def test_a_bad_cost_entry_is_measured_again_and_written_over(decoders, measured,
     assert capsys.readouterr().err == ""
 
 
+def test_entries_of_models_gone_or_changed_are_dropped_at_the_next_write(decoders, measured, tmp_path) -> None:
+    path = costs_module.costs_path()
+    costs_module.cached_measure(*decoders, K_MAX)
+    [(key, good)] = json.loads(path.read_text()).items()
+    target, *rest = json.loads(key)
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"GGUF")
+    gone = json.dumps([[str(tmp_path / "gone.gguf"), *target[1:]], *rest])  # deleted or moved
+    changed = json.dumps([[str(other), other.stat().st_size + 1, *target[2:]], *rest])  # downloaded again
+    same = json.dumps([[str(other), other.stat().st_size, int(other.stat().st_mtime), *target[3:]], *rest])
+    path.write_text(json.dumps({key: good, gone: good, changed: good, same: good, "a key of another shape": good}))
+
+    costs_module.cached_measure(decoders[0], None, 1)  # a new entry: the table is written
+    kept = json.loads(path.read_text())
+    assert gone not in kept and changed not in kept
+    assert {key, same, "a key of another shape"} < set(kept) and len(kept) == 4
+
+
 def test_a_cached_entry_holds_no_pool_s_batches(decoders, measured) -> None:
     """A pool times its slots' batches (the target's and the draft model's) at each load: an entry holding them is
     refused and measured again."""

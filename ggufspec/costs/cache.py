@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, replace
@@ -66,7 +67,7 @@ def cached_measure(target: LlamaCppDecoder, draft: LlamaCppDecoder | None, k_max
         notice(f"this machine was busy while measuring (spread {spread:.2f}, over {MAX_SPREAD}): its fastest times "
                f"are used and cached, marked noisy, and measured again at a run {NOISY_RETRY_AFTER / 60:.0f} "
                "minutes or more from now")
-    write_table(path, {json.dumps(key): {**asdict(model), "spread": spread, "measured": round(time.time())}})
+    write_table(path, {json.dumps(key): {**asdict(model), "spread": spread, "measured": round(time.time())}}, _gone)
     return model
 
 
@@ -214,6 +215,25 @@ def _check_measurement(entry: dict) -> str | None:
 def _seconds(x: object) -> bool:
     """A time as measure() writes one: a float, finite (json reads NaN and Infinity too) and above 0."""
     return type(x) is float and math.isfinite(x) and x > 0
+
+
+def _gone(key: str) -> bool:
+    """Whether the entry at `key` can never be read again: a model file it names is gone, or is another file now (its
+    size or time differs from the key's: _identity). A key of another shape is kept (a file off a drive that is not
+    mounted now counts as gone: measured again when it is back)."""
+    try:
+        models = json.loads(key)[:2]
+        files = [(str(m[0]), int(m[1]), int(m[2])) for m in models if m is not None]
+    except (ValueError, TypeError, IndexError, KeyError):
+        return False
+    for path, size, mtime in files:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return True
+        if st.st_size != size or int(st.st_mtime) != mtime:
+            return True
+    return False
 
 
 def _identity(d: LlamaCppDecoder) -> list[object]:
