@@ -110,11 +110,10 @@ class _Cursor:
         length = _STRUCTS["Q"].unpack_from
         seen: set[bytes] = set()
         for _ in range(count):
-            if pos + 8 > size:
-                break
-            n = length(buf, pos)[0]
+            n = length(buf, pos)[0] if pos + 8 <= size else size
             if pos + 8 + n > size:
-                break
+                self.pos = pos
+                self.string()  # past the end: raises take's error
             pos += 8 + n
             if unique:
                 s = buf[pos - n : pos]
@@ -122,11 +121,7 @@ class _Cursor:
                     raise ModelFileError(f"{self.path}: damaged vocabulary: token {s[:40]!r} is listed twice. "
                                          "Download or convert the model again.")
                 seen.add(s)
-        else:
-            self.pos = pos
-            return
         self.pos = pos
-        self.string()  # past the end: take's error
 
 
 _kept = threading.local()  # headers_kept's, per thread

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, replace
@@ -219,26 +218,27 @@ def _seconds(x: object) -> bool:
 
 def _gone(key: str) -> bool:
     """Whether the entry at `key` can never be read again: a model file it names is gone, or is another file now (its
-    size or time differs from the key's: _identity). A key of another shape is kept (a file off a drive that is not
-    mounted now counts as gone: measured again when it is back)."""
+    size or time differs from the key's). A key of another shape is kept (a file off a drive that is not mounted now
+    counts as gone: measured again when it is back)."""
     try:
-        models = json.loads(key)[:2]
-        files = [(str(m[0]), int(m[1]), int(m[2])) for m in models if m is not None]
+        files = [m[:3] for m in json.loads(key)[:2] if m is not None]
+        paths = [Path(f[0]) for f in files]
     except (ValueError, TypeError, IndexError, KeyError):
         return False
-    for path, size, mtime in files:
-        try:
-            st = os.stat(path)
-        except OSError:
-            return True
-        if st.st_size != size or int(st.st_mtime) != mtime:
-            return True
-    return False
+    try:
+        return any(_file(p) != f for p, f in zip(paths, files))
+    except OSError:
+        return True
+
+
+def _file(path: Path) -> list[object]:
+    """The part of a cost entry's key that names a model file: its path, size and modification time (seconds)."""
+    st = path.stat()
+    return [str(path), st.st_size, int(st.st_mtime)]
 
 
 def _identity(d: LlamaCppDecoder) -> list[object]:
-    st = d.path.stat()
     o = d.options
-    return [str(d.path), st.st_size, int(st.st_mtime), o.n_threads, o.n_threads_batch, o.n_gpu_layers, o.flash_attn,
+    return [*_file(d.path), o.n_threads, o.n_threads_batch, o.n_gpu_layers, o.flash_attn,
             d.kv_cache, sorted(d.weight_buffers),  # where the weights went: repacked or not costs batches differently
             *([d.n_rs_seq] if getattr(d, "n_rs_seq", 0) else [])]  # snapshots: written by every batch
