@@ -6,7 +6,9 @@
 #       libraries from the nvidia-cublas wheel (for linking only: the device has its own), a link-time stand-in for
 #       the driver's libcuda.so.1, the builds (build-cuda/), a Python 3.12 venv for the dry run (venv312/)
 #   $DEST (default .gpu in the repository root, ignored by .gitignore): what a device call carries
-#       llama.tar.xz    llama_cpp/ (llama-cpp-python's Python files) with lib/: libllama, libggml* (CUDA), llama-server
+#       llama.tar.xz    llama_cpp/ (llama-cpp-python's Python files) with lib/: libllama, libggml* (CUDA), and
+#                       llama-server only where LLAMA_SERVER names one (built by its user: this repository builds none
+#                       of llama.cpp's tools)
 #       llama-src.tar.xz  (cuda, src) llama.cpp's source and llama_cpp/'s Python files, for a build on the device
 #       whl/            cp312 wheels of everything ggufspec, its server and gguf import, but numpy (the device has it)
 #       bench/          the first 24 lines of ../shared/bench's two sets (bench_parallel.py reads them there)
@@ -21,8 +23,9 @@
 #         device's time: docs/gpu.md).
 #   cpu   pack an existing CPU build ($CPU_BUILD, default /tmp/lcpp-build, else built here) into $DEST (default
 #         $WORK/payload-cpu): the payload of the CPU dry run (docs/gpu.md).
-# Env: WORK, DEST, JOBS (default 2), CPU_BUILD, LLAMA_FROM (cuda: take libllama, libmtmd and llama-server from this
-# folder of a build of the same source, e.g. /tmp/lcpp-build/bin, and build only ggml's libraries here).
+# Env: WORK, DEST, JOBS (default 2), CPU_BUILD, LLAMA_FROM (cuda: take libllama from this folder of a build of the
+# same source, e.g. a CPU one's bin/, and build only ggml's libraries here), LLAMA_SERVER (a llama-server binary of
+# the same llama.cpp to carry for the check's comparison; the device's CUDA libraries must be what it links).
 set -euo pipefail
 MODE=${1:-cuda}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -68,7 +71,7 @@ cuda_link_deps() {  # what linking ggml-cuda needs that this machine's pip-insta
             | sed 's/.*/void &(void) {}/' > "$WORK/stubs/cuda_stub.c"
         gcc -shared -fPIC -o "$WORK/stubs/libcuda.so" -Wl,-soname,libcuda.so.1 "$WORK/stubs/cuda_stub.c"
     fi
-    ln -sf libcuda.so "$WORK/stubs/libcuda.so.1"  # what the linker looks for behind libggml-cuda (llama-server)
+    ln -sf libcuda.so "$WORK/stubs/libcuda.so.1"  # what the linker looks for behind libggml-cuda
 }
 
 . "$REPO/scripts/gpu_build_flags.sh"  # CUDA_FLAGS, CUDA_TARGETS, SRC_EXCLUDES
@@ -81,12 +84,11 @@ build_cuda() {
     nice -n 19 cmake -S "$SDIST/vendor/llama.cpp" -B "$b" -G Ninja "${CUDA_FLAGS[@]}" \
         -DCMAKE_CUDA_COMPILER="$CUDA_HOME/bin/nvcc" -DCUDA_cuda_driver_LIBRARY="$WORK/stubs/libcuda.so" \
         -DCMAKE_LIBRARY_PATH="$WORK/cublas/lib" -DCMAKE_CUDA_FLAGS="-I$WORK/cublas/include" \
-        -DCMAKE_CXX_FLAGS="-I$WORK/cublas/include" \
-        -DCMAKE_EXE_LINKER_FLAGS="-Wl,-rpath-link,$WORK/cublas/lib:$WORK/stubs" > "$WORK/build-cuda.configure.log"
+        -DCMAKE_CXX_FLAGS="-I$WORK/cublas/include" > "$WORK/build-cuda.configure.log"
     local targets=("${CUDA_TARGETS[@]}")
-    # LLAMA_FROM: llama.cpp's own libraries and llama-server from another build of the same source (a CPU one): they
-    # hold no backend code (no GGML_USE_* in src/, common/, tools/server/) and load whichever libggml sits beside
-    # them, so only ggml's libraries are built here, an hour less at nice 19 on two cores
+    # LLAMA_FROM: libllama from another build of the same source (a CPU one): it holds no backend code (no
+    # GGML_USE_* in src/) and loads whichever libggml sits beside it, so only ggml's libraries are built here, an hour
+    # less at nice 19 on two cores
     [ -n "${LLAMA_FROM:-}" ] && targets=(ggml-cuda ggml ggml-rpc)
     say "build ${targets[*]} (nice 19, -j$JOBS): log $WORK/build-cuda.log"
     nice -n 19 ninja -C "$b" -j"$JOBS" "${targets[@]}" > "$WORK/build-cuda.log"
@@ -95,12 +97,13 @@ build_cuda() {
 
 build_cpu() {
     BUILD_BIN=${CPU_BUILD:-/tmp/lcpp-build}/bin
-    [ -x "$BUILD_BIN/llama-server" ] && return
+    ls "$BUILD_BIN"/libllama.so* > /dev/null 2>&1 && return
     local b=$WORK/build-cpu
     nice -n 19 cmake -S "$SDIST/vendor/llama.cpp" -B "$b" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \
-        -DGGML_RPC=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_MTMD=OFF -DLLAMA_BUILD_UI=OFF \
-        -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF > "$WORK/build-cpu.configure.log"
-    nice -n 19 ninja -C "$b" -j"$JOBS" llama-server llama > "$WORK/build-cpu.log"
+        -DGGML_RPC=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF \
+        -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_MTMD=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
+        -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF > "$WORK/build-cpu.configure.log"
+    nice -n 19 ninja -C "$b" -j"$JOBS" llama ggml-rpc > "$WORK/build-cpu.log"
     BUILD_BIN=$b/bin
 }
 
@@ -110,14 +113,13 @@ pack_src() {  # llama.cpp's source and llama-cpp-python's Python files: the buil
         | nice -n 19 xz -9 -T"$JOBS" > "$DEST/llama-src.tar.xz"
 }
 
-pack_llama() {  # llama_cpp/ with lib/ (stripped; symlinks kept) and llama-server beside the libraries
+pack_llama() {  # llama_cpp/ with lib/ (stripped; symlinks kept), and LLAMA_SERVER's binary beside it where given
     local t=$WORK/pack
     rm -rf "$t" && mkdir -p "$t/llama_cpp/lib"
     cp "$SDIST"/llama_cpp/*.py "$SDIST/llama_cpp/py.typed" "$t/llama_cpp/"
     local llama=${LLAMA_FROM:-$BUILD_BIN}
-    cp -a "$BUILD_BIN"/libggml*.so* "$llama"/lib{llama,mtmd}*.so* "$t/llama_cpp/lib/"
-    rm -f "$t"/llama_cpp/lib/libllama-cli-impl.so*
-    cp "$llama/llama-server" "$t/llama_cpp/lib/"
+    cp -a "$BUILD_BIN"/libggml*.so* "$llama"/libllama.so* "$t/llama_cpp/lib/"
+    [ -n "${LLAMA_SERVER:-}" ] && cp "$LLAMA_SERVER" "$t/llama_cpp/lib/llama-server"
     find "$t/llama_cpp/lib" -type f \( -name '*.so*' -o -name llama-server \) -exec strip --strip-unneeded {} +
     say "pack $DEST/llama.tar.xz ($(du -sb "$t/llama_cpp/lib" | cut -f1) bytes unpacked)"
     tar -C "$t" -cf - llama_cpp | nice -n 19 xz -9e -T"$JOBS" > "$DEST/llama.tar.xz"
@@ -149,7 +151,8 @@ manifest() {
     {
         echo "made $(date -u +%Y-%m-%dT%H:%MZ) by scripts/build_gpu_artifacts.sh $MODE at $(git -C "$REPO" rev-parse --short HEAD)"
         echo "llama.cpp: vendored in llama-cpp-python $LCPP_VERSION's sdist; lib/ from ${BUILD_BIN:-nowhere: built on the device}"
-        [ -n "${LLAMA_FROM:-}" ] && echo "libllama*, libmtmd*, llama-server from $LLAMA_FROM"
+        [ -n "${LLAMA_FROM:-}" ] && echo "libllama from $LLAMA_FROM"
+        [ -n "${LLAMA_SERVER:-}" ] && echo "llama-server: $LLAMA_SERVER (its user's build)"
         [ "$MODE" = cuda ] && echo "cmake: ${CUDA_FLAGS[*]}" && echo "nvcc: $("$CUDA_HOME/bin/nvcc" --version | tail -1)"
         (cd "$DEST" && find . -type f | sort | xargs du -b | awk '{s += $1; print} END {print s, "bytes in all"}')
     } > "$DEST/MANIFEST.txt"

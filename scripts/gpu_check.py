@@ -9,12 +9,13 @@ starts; the report is rewritten after every step, so a call stopped early still 
   pair       the target made from the carried demo draft (scripts/gpu_pair.py: x--widen wide, x--deepen deep, Q4_0)
   smoke      one short greedy generation on the GPU (a crash here ends the check: every later step would crash too)
   bench      `ggufspec bench`: autoregressive, vanilla, lookup, auto on --bench-prompts prompts
-  parallel   scripts/bench_parallel.py against each server (ggufspec serve -np N, llama-server -np N) in turn
+  parallel   scripts/bench_parallel.py against each server (ggufspec serve -np N, and llama-server -np N where
+             --llama-server names a binary: its user's build, as this repository builds none of llama.cpp's tools)
   textcheck  greedy texts: bench's methods against autoregressive, every server against the first; each divergence
              classified by the target's top-2 logit gap where the texts part (near-tie: under --near-tie)
   overhead   scripts/bench_overhead.py --parallel N on the pair (only if the time left allows)
 
-    python scripts/gpu_check.py --out DIR --payload .gpu --llama-server PATH [options]
+    python scripts/gpu_check.py --out DIR --payload .gpu [--llama-server PATH] [options]
     python scripts/gpu_check.py textcheck ...   (the textcheck step's child; needs llama.cpp)
 """
 
@@ -181,6 +182,11 @@ def servers(c: Check) -> dict[str, str]:
 def step_parallel(c: Check) -> bool:
     ok = True
     for name, command in servers(c).items():
+        if name.startswith("ls-") and not os.access(c.a.llama_server, os.X_OK):
+            c.say(f"parallel {name}: skipped, no llama-server binary given (--llama-server {c.a.llama_server!r})")
+            c.steps.append({"step": f"parallel {name}", "status": "skipped: no llama-server given", "seconds": 0.0,
+                            "budget_s": 0})
+            continue
         rec = c.run(f"parallel {name}", [c.py, str(SCRIPTS / "bench_parallel.py"), "--server", f"{name}={command}",
                                          "--clients", c.a.clients, "--requests-per-client", str(c.a.requests),
                                          "-n", str(c.a.max_tokens), "-o", str(c.out / "parallel.jsonl")],
@@ -291,8 +297,9 @@ def render(c: Check) -> str:
     lines = [f"## Run of {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC ({a.label})", "",
              f"Pair: target `{c.target.name}` (the demo draft x{a.widen} wide, x{a.deepen} deep, Q4_0"
              + (f", {r['pair']['target_bytes'] / 1e9:.2f} GB" if "pair" in r else "") + "), draft `"
-             + c.draft.name + f"`. ggufspec `-ngl {a.ngl}`, llama-server `-ngl {a.ls_ngl}`; `-np {a.np} -c {a.ctx}`; "
-             f"{a.max_tokens} tokens an answer, greedy.", ""]
+             + c.draft.name + f"`. ggufspec `-ngl {a.ngl}`, "
+             + (f"llama-server `-ngl {a.ls_ngl}`" if a.llama_server else "no llama-server given")
+             + f"; `-np {a.np} -c {a.ctx}`; {a.max_tokens} tokens an answer, greedy.", ""]
     machine = r.get("machine", {})
     if machine:
         lines += ["Machine:", "", "```", machine.get("nvidia_smi", "").strip(), machine.get("devices", "").strip(),
@@ -455,7 +462,9 @@ def main() -> int:
     g.add_argument("--out", default=os.environ.get("OUT") or str(REPO / ".gpu-out"))
     g.add_argument("--work", default="/tmp/gpucheck", help="models, caches and logs that do not come back")
     g.add_argument("--payload", default=str(REPO / ".gpu"), help="prompts, widen_gguf.py, MANIFEST.txt")
-    g.add_argument("--llama-server", default="llama-server")
+    g.add_argument("--llama-server", default="",
+                   help="a llama-server binary of the same llama.cpp (its user's build): the servers ls-* run on it, "
+                        "and are skipped without one")
     g.add_argument("--label", default="GPU")
     g.add_argument("--steps", default="env,pair,smoke,bench,parallel,textcheck,overhead")
     g.add_argument("--deadline", type=float, default=300, help="seconds: no step starts past it")

@@ -9,6 +9,8 @@
 # bench.json, parallel.jsonl and log.txt into $OUT. Everything ends inside GPU_CHECK_DEADLINE seconds (default 300)
 # from this script's start. Where no build was carried, or the carried one sees no CUDA device, it builds llama.cpp
 # from the carried source first (below). The CPU dry run is the same script with small sizes (docs/gpu.md).
+# llama-server, for the comparison: $LLAMA_SERVER, else one carried in llama.tar.xz's lib/ (built by its user: this
+# repository builds none of llama.cpp's tools); without one, the check measures ggufspec alone.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -51,7 +53,7 @@ say "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
 # The build here: where no build was carried (a payload of `build_gpu_artifacts.sh src`), or the carried one does not
 # load or sees no CUDA device, build llama.cpp from the carried source (llama-src.tar.xz) on every core, with
 # GPU_CHECK_BUILD_FLAGS added (default: no flash attention, whose kernels' bodies are then compiled out), and use its
-# libraries and llama-server. Only where nvidia-smi sees a GPU: a build cannot mend a machine without one. It takes
+# libraries. Only where nvidia-smi sees a GPU: a build cannot mend a machine without one. It takes
 # minutes of the deadline: give such a call GPU_CHECK_DEADLINE=560 and timeout_s=600 (docs/gpu.md).
 # GPU_CHECK_EXPECT=CPU (the dry run) skips this.
 probe=$($PY scripts/gpu_check.py devices 2>&1)
@@ -75,22 +77,23 @@ if [ "${GPU_CHECK_EXPECT:-CUDA}" = CUDA ] && ! grep -q "^device CUDA" <<< "$prob
         [ -z "$driver" ] && driver=$(ls /usr/local/nvidia/lib64/libcuda.so.1 /usr/lib/x86_64-linux-gnu/libcuda.so.1 2>/dev/null | head -1)
         [ -n "$driver" ] && [ ! -e "$(dirname "$(command -v nvcc)")/../lib64/stubs/libcuda.so" ] \
             && hints+=("-DCUDA_cuda_driver_LIBRARY=$driver")
-        # llama-server's link looks for libggml-cuda's own needs (cuBLAS, the driver) by name
-        hints+=("-DCMAKE_EXE_LINKER_FLAGS=-Wl,-rpath-link,$cuda_dirs${driver:+:$(dirname "$driver")}")
         say "build hints: ${hints[*]:-none}"
         # shellcheck disable=SC2086
         cmake -S "$WORK/src/llama.cpp" -B "$WORK/build" -G Ninja "${CUDA_FLAGS[@]}" "${hints[@]}" \
             ${GPU_CHECK_BUILD_FLAGS--DGGML_CUDA_FA=OFF} \
             > "$WORK/build.log" 2>&1 && ninja -C "$WORK/build" -j"$(nproc)" "${CUDA_TARGETS[@]}" >> "$WORK/build.log" 2>&1 \
-            && cp -a "$WORK/build/bin"/lib*.so* "$WORK/build/bin/llama-server" "$LIB/" \
+            && cp -a "$WORK/build/bin"/lib*.so* "$LIB/" \
             || { tail -30 "$WORK/build.log" | tee -a "$OUT/log.txt"; say "the build here failed"; }
         say "after the build, devices: $($PY scripts/gpu_check.py devices 2>&1 | tail -4 | tr '\n' ';')"
     else
         say "no CUDA device, and no GPU, source or nvcc to build for one: the check runs on what it has"
     fi
 fi
-missing=$(ldd "$LIB"/libggml*.so "$LIB/llama-server" 2>&1 | grep "not found" | sort -u)
+server=${LLAMA_SERVER:-}
+[ -z "$server" ] && [ -x "$LIB/llama-server" ] && server=$LIB/llama-server
+say "llama-server: ${server:-none given (the check measures ggufspec alone)}"
+missing=$(ldd "$LIB"/libggml*.so ${server:+"$server"} 2>&1 | grep "not found" | sort -u)
 [ -n "$missing" ] && say "unresolved libraries: $missing"
 
-exec $PY scripts/gpu_check.py --out "$OUT" --work "$WORK" --payload "$PAYLOAD" --llama-server "$LIB/llama-server" \
+exec $PY scripts/gpu_check.py --out "$OUT" --work "$WORK" --payload "$PAYLOAD" --llama-server "$server" \
     --deadline $((DEADLINE - SECONDS)) "$@"
