@@ -134,6 +134,20 @@ def test_accept_sampled_point_mass_guesses_follow_p() -> None:
     _check(second, p[1])
 
 
+@pytest.mark.parametrize("params", [SamplingParams(0.5), SamplingParams(2.0), SamplingParams(0.8, top_k=5),
+                                    SamplingParams(1.3, top_p=0.9, min_p=0.05)])
+def test_a_plain_pick_draws_what_drafts_are_judged_by(params) -> None:
+    """A plain step draws with pick, a speculative one judges drafts by probabilities(): one distribution, the
+    tempered softmax with the filters (pick goes its own way where no filter is set, the default)."""
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0, 2, 12).astype(np.float32)
+    p = probabilities(logits, params).astype(np.float64)
+    if not (params.top_k or params.top_p < 1.0 or params.min_p):
+        z = np.exp((logits - logits.max()).astype(np.float64) / params.temperature)
+        np.testing.assert_allclose(p, z / z.sum(), rtol=1e-5)
+    _check(np.bincount([pick(logits, params, rng) for _ in range(RUNS)], minlength=len(p)), p / p.sum())
+
+
 @pytest.mark.parametrize("temperature", [1e-31, 1e-38, 1e-45, 5e-324])
 def test_a_temperature_too_small_for_float32_is_greedy(temperature) -> None:
     """1/T overflowed float32 and every probability was NaN: such a T is the greedy limit, for target and draft."""
