@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import FirstTokens, FixedCosts, open_decoder
+from conftest import REPO, FirstTokens, FixedCosts, open_decoder
 from ggufspec.costs import CostModel
 from ggufspec.proposers.draft_model import DraftModelProposer
 from ggufspec.decoder import LlamaCppDecoder
@@ -201,7 +201,7 @@ def test_seeded_sampling_is_reproducible(tiny_target, tiny_draft) -> None:
 def test_ignore_eos_goes_on_with_the_targets_own_pick_among_the_other_tokens(smollm2_path, smollm2_q4_0) -> None:
     """llama-server's ignore_eos: an answer that ends by itself goes on to max_tokens, each token the target's argmax
     with its end-of-generation tokens left out (checked against single-token decoding by hand), the same text for
-    every method; sampled, no end-of-generation token either."""
+    every method, Medusa's trees too (their rows are masked apart); sampled, no end-of-generation token either."""
     question = [{"role": "user", "content": "What is 2+2?"}]
     n = 40
     with SpeculativeEngine.load(smollm2_path, smollm2_q4_0) as engine:
@@ -227,3 +227,12 @@ def test_ignore_eos_goes_on_with_the_targets_own_pick_among_the_other_tokens(smo
             got = engine.generate(question, sampled)
             assert len(got.tokens) == n and not set(got.tokens) & set(eog), method
             assert engine.generate(question, sampled).tokens == got.tokens  # a seed still repeats a run
+    # Medusa's trees, each pass a named tree whole (the heads trained for SmolLM2: paths are kept), end tokens left out
+    heads = sorted((REPO / "models" / "demo").glob("*medusa*.gguf"))[0]
+    m = 20  # past the answer's own end (its 11th token or so)
+    trees = dict(max_tokens=m, method="medusa", medusa_tree="mc_sim_15", ignore_eos=True, seed=3)
+    with SpeculativeEngine.load(smollm2_path, medusa_path=heads) as engine:
+        got = engine.generate(question, GenerationSettings(**trees))
+        assert got.tokens == want[:m] and got.stats.accepted > 0  # (EXACT: the q8_0 cache; paths kept)
+        got = engine.generate(question, GenerationSettings(sampling=SamplingParams(1.0), **trees))
+        assert len(got.tokens) == m and not set(got.tokens) & set(eog) and got.stats.accepted > 0
