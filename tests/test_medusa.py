@@ -399,6 +399,22 @@ def test_typical_acceptance_runs_within_the_limit(smollm2_path, demo_heads) -> N
     assert got.stats.accepted > 0 and got.stats.target_passes < len(got.tokens), got.stats
 
 
+def test_medusa_sampling_is_exact_unless_typical_acceptance_is_asked_for(tiny_target, random_heads,
+                                                                         monkeypatch) -> None:
+    """Typical acceptance bends the promise (it keeps paths the target would not have drawn): a generation takes it
+    only when asked (typical=True, --typical); by default every tree is judged by exact rejection sampling."""
+    import ggufspec.verifier
+
+    typical: list[int] = []
+    monkeypatch.setattr(ggufspec.verifier, "walk_typical", lambda *a, **k: typical.append(1) or walk_typical(*a, **k))
+    s = dict(max_tokens=8, method="medusa", medusa_tree="chain_4", sampling=SamplingParams(0.8), seed=0)
+    with _engine(tiny_target, random_heads) as engine:
+        assert engine.generate(PROMPTS[1], GenerationSettings(**s)).stats.target_passes > 2
+        assert not typical
+        engine.generate(PROMPTS[1], GenerationSettings(typical=True, **s))
+    assert typical  # (what the check tells apart)
+
+
 def test_typical_acceptance_keeps_the_deepest_typical_path() -> None:
     """Medusa's rule by hand: a node is typical when p(token) > min(0.09, 0.3 * exp(-entropy)) of its parent's
     distribution, and the deepest path of typical nodes is kept."""
