@@ -96,6 +96,27 @@ def test_a_chunked_body_over_the_limit_is_refused_as_it_grows(server) -> None:
     assert server.rss_kb() - before < GROWTH_KB
 
 
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_body_of_the_limit_is_read_and_one_byte_more_refused(server, chunked) -> None:
+    """--max-body is exact: a body of that many bytes is answered, one byte more is refused with 413, from its
+    Content-Length or as it streams."""
+    from ggufspec.server.boundary import default_max_body
+
+    limit = default_max_body(1024)  # the fixture's: -c 1024, no --max-body
+    body = json.dumps({"prompt": "Hi", "max_tokens": 1}).encode()
+    for size, want in ((limit, 200), (limit + 1, 413)):
+        data = body + b" " * (size - len(body))
+        with connect(server.port) as sock:
+            sock.sendall(head("/v1/completions", server.port,
+                              "Transfer-Encoding: chunked\r\n" if chunked else f"Content-Length: {size}\r\n"))
+            try:
+                sock.sendall(b"%x\r\n%s\r\n0\r\n\r\n" % (size, data) if chunked else data)
+            except (BrokenPipeError, ConnectionResetError):  # refused before the body was all sent
+                pass
+            status, out = response_of(sock)
+        assert status == want, (size, chunked, out)
+
+
 def post_json(s: Server, path: str, body: dict) -> tuple[int, dict, float]:
     data = json.dumps(body).encode()
     t0 = time.perf_counter()
