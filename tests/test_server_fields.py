@@ -94,6 +94,47 @@ def test_a_temperature_too_small_for_float32_gives_the_greedy_text(server, endpo
         assert code == 200 and out["choices"] == greedy["choices"], (temperature, out)
 
 
+@pytest.mark.parametrize("endpoint", ["chat", "text"])
+def test_each_sampling_filter_of_a_request_takes_effect(server, endpoint) -> None:
+    """top_k 1, top_p near 0 and min_p 1 each leave the likeliest token alone: at temperature 1.5 the answer is then
+    the greedy one, which the same request without them is not (a field ignored would draw from the whole row)."""
+    path, body = request(endpoint, max_tokens=12, seed=5, temperature=1.5)
+    _, _, greedy = post(server, path, {**body, "temperature": 0})
+    code, _, drawn = post(server, path, body)
+    assert code == 200 and drawn["choices"] != greedy["choices"]  # (what the test tells apart)
+    for field in ({"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}):
+        code, _, out = post(server, path, {**body, **field})
+        assert code == 200 and out["choices"] == greedy["choices"], (field, out)
+
+
+def test_a_request_holds_at_most_16_stop_strings(server) -> None:
+    """OpenAI's bound (4) raised to 16, each stop string a scan of the text at every token: 17 is a 400 naming
+    `stop`; 16 are taken, the one that comes ending the answer before it."""
+    path, body = request("text", max_tokens=12, temperature=0)
+    _, _, whole = post(server, path, body)
+    text = whole["choices"][0]["text"]
+    stops = [f"never said {i}" for i in range(15)] + [text[3:6]]
+    code, _, out = post(server, path, {**body, "stop": stops})
+    cut = text[: text.index(stops[-1])]
+    assert code == 200 and out["choices"][0]["text"] == cut and out["choices"][0]["finish_reason"] == "stop", out
+    code, _, out = post(server, path, {**body, "stop": stops + ["one more"]})
+    assert code == 400 and out["error"]["param"] == "stop", out
+
+
+def test_a_requests_draft_max_bounds_each_pass(server) -> None:
+    """speculative.draft_max: lookup guesses at most that many tokens a pass (its timings say so), where the
+    server's default lets it guess more on text that repeats itself."""
+    body = {"prompt": "1 2 3 4 5 " * 6, "max_tokens": 24, "temperature": 0}
+    timings = {}
+    for draft_max in (None, 1):
+        spec = {"method": "lookup", **({"draft_max": draft_max} if draft_max else {})}
+        code, _, out = post(server, "/v1/completions", {**body, "speculative": spec})
+        assert code == 200, out
+        timings[draft_max] = out["timings"]
+    assert timings[None]["draft_n"] > timings[None]["target_passes"]  # (what the test tells apart)
+    assert 0 < timings[1]["draft_n"] <= timings[1]["target_passes"], timings
+
+
 @pytest.mark.parametrize("fields,param", [
     ('"temperature": Infinity', "temperature"), ('"temperature": NaN', "temperature"), ('"top_p": -Infinity', "top_p"),
     ('"temperature": 1e999', "temperature"), ('"speculative": {"draft_p_min": NaN}', "speculative.draft_p_min"),
