@@ -111,6 +111,21 @@ def test_a_model_without_a_chat_template_gets_the_plain_prompt(tokenizer_fields,
     assert r.exit_code == 2 and "no chat template" in r.output
 
 
+@pytest.mark.parametrize("writes_bos", [True, False])
+def test_a_chat_prompt_holds_the_bos_the_model_asks_for_once(tokenizer_fields, tiny_weights, tmp_path,
+                                                              writes_bos) -> None:
+    """A model whose tokenizer asks for a BOS gets exactly one before a chat: the template's own where it writes one
+    (as Gemma's and Llama 3's do), else the tokenizer's."""
+    template = ("{{ bos_token }}" if writes_bos else "") + "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    path = write_tiny_gguf(tmp_path / "bos.gguf", tokenizer_fields, tiny_weights, TINY, chat_template=template,
+                           add_bos=True)
+    with SpeculativeEngine.load(path) as engine:
+        bos = engine.target.vocab.bos
+        tokens = engine.encode([{"role": "user", "content": "Hello there"}], engine.n_ctx)
+        plain = engine.encode("Hello there\n", engine.n_ctx)
+    assert tokens[0] == bos and tokens.count(bos) == 1 and tokens == plain, (tokens, plain, bos)
+
+
 def test_generate_reads_stdin(smollm2_path) -> None:
     r = CliRunner().invoke(main, ["generate", "-m", str(smollm2_path), "-n", "8", "--json", "-"],
                            input="def add(a, b):\n")

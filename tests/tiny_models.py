@@ -67,10 +67,10 @@ def noisy_copy(weights: dict[str, np.ndarray], seed: int = 1, scale: float = 0.1
 
 def write_tiny_gguf(
     path: Path, tokenizer: list[gguf.ReaderField], weights: dict[str, np.ndarray], cfg: TinyConfig,
-    name: str = "tiny", chat_template: str | None = None,
+    name: str = "tiny", chat_template: str | None = None, add_bos: bool | None = None,
 ) -> Path:
     """Write a loadable llama GGUF with these weights and the copied tokenizer fields (`chat_template`: this one
-    instead of the copied one)."""
+    instead of the copied one; `add_bos`: whether the tokenizer asks for a BOS, instead of the copied answer)."""
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name(name)
     w.add_context_length(cfg.n_ctx)
@@ -85,6 +85,9 @@ def write_tiny_gguf(
     if chat_template is not None:
         tokenizer = [f for f in tokenizer if f.name != "tokenizer.chat_template"]
         w.add_chat_template(chat_template)
+    if add_bos is not None:
+        tokenizer = [f for f in tokenizer if f.name != "tokenizer.ggml.add_bos_token"]
+        w.add_add_bos_token(add_bos)
     return _finish(w, path, tokenizer, weights)
 
 
