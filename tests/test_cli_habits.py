@@ -40,6 +40,20 @@ def test_llama_cpp_spellings_give_the_same_text_as_ggufspecs(smollm2_path) -> No
     assert theirs["stats"]["drafted"] == ours["stats"]["drafted"] > 0  # the draft ran in both
 
 
+def test_the_options_reach_the_model(smollm2_path) -> None:
+    """Both spellings giving one text would hold were an option ignored by both: -ctk and -t reach the load (as
+    `doctor` reports it), and --seed, --min-p, --top-k and --top-p the sampler (each filter alone leaves the greedy
+    text at --temp 1.5, which a draw without them is not)."""
+    r = cli("doctor", "-m", smollm2_path, "-ctk", "q4_0", "-t", "1")
+    out = r.stdout.decode()
+    assert r.returncode == 0 and "KV cache: q4_0/" in out and "threads 1;" in out, out
+    greedy = run_json("-m", smollm2_path, "-n", "10", "--temp", "0", PROMPT)["tokens"]
+    drawn = [run_json("-m", smollm2_path, "-n", "10", "--temp", "1.5", "-s", seed, PROMPT)["tokens"] for seed in (1, 1, 2)]
+    assert drawn[0] == drawn[1] != drawn[2] and drawn[0] != greedy
+    for flag in (("--min-p", "1"), ("--top-k", "1"), ("--top-p", "1e-6")):
+        assert run_json("-m", smollm2_path, "-n", "10", "--temp", "1.5", "-s", "1", *flag, PROMPT)["tokens"] == greedy, flag
+
+
 def test_help_lists_the_llama_cpp_spellings() -> None:
     help_text = CliRunner().invoke(main, ["generate", "--help"]).output
     for spelling in ("-md, --draft, --model-draft", "--ctx-size", "--n-predict", "-fa", "-ctk, --cache-type-k",
