@@ -235,6 +235,24 @@ def test_a_generation_begins_priced_beside_the_slots_generating_then(tiny_target
         assert a.engine.target.peers == 0
 
 
+def test_a_prompt_goes_to_the_free_slot_that_holds_its_start(tiny_target) -> None:
+    """llama-server's slot similarity: a conversation's next turn goes to the slot whose cache holds its start (at
+    least half of it), and decodes only what is new there; else to the lowest-numbered free slot."""
+    s = GenerationSettings(max_tokens=4)
+    with EnginePool.load(tiny_target, None, DecoderOptions(n_ctx=1024), costs=COSTS, parallel=2) as pool:
+        a, b = (pool.engine.encode(PROMPTS[i]) for i in (0, 1))
+        with pool.slot(a) as first, pool.slot(b) as second:  # both held: b goes to the second slot
+            list(pool.run(first, a, s))
+            list(pool.run(second, b, s))
+        turn = [*b, *second.engine.target.history[len(b):], *pool.engine.encode(" And then?")]
+        with pool.slot(turn) as slot:
+            assert slot is second
+            result = [r for r in pool.run(slot, turn, s) if r.finish_reason is not None][0].result
+        assert result.stats.cached_tokens >= len(b)
+        with pool.slot(pool.engine.encode(PROMPTS[2])) as slot:  # a start no slot holds: the lowest-numbered
+            assert slot is first
+
+
 def test_slots_verify_together_after_drafting(tiny_target, tiny_draft) -> None:
     """Drafts first: a slot's target decode waits while another slot drafts, so both verify in one target batch."""
     lockstep = Lockstep()
