@@ -97,7 +97,8 @@ def test_a_rerun_keeps_the_done_lines_and_generates_only_the_rest(smollm2_path, 
     done = [{"id": 1, "index": 0, "text": "SENTINEL-0", "finish_reason": "stop", "error": None},
             {"id": 2, "index": 1, "text": "SENTINEL-1", "finish_reason": "stop", "error": None},
             {"id": 4, "index": 3, "text": None, "finish_reason": None,  # a failure: tried again
-             "error": {"code": "ContextLengthError", "message": "too long"}}]
+             "error": {"code": "ContextLengthError", "message": "too long"}},
+            {"id": 1, "index": 0, "text": "SENTINEL-0-again", "finish_reason": "stop", "error": None}]  # repeated
     cut = json.dumps({"id": 3, "index": 2, "text": "SENTINEL-2", "finish_reason": "stop", "error": None})[:30]
     out.write_text("".join(json.dumps(d) + "\n" for d in done) + cut, encoding="utf-8")  # a write cut short
     r = batch(smollm2_path, src, out, "-np", "2", "-n", "6")
@@ -122,6 +123,21 @@ def test_a_rerun_keeps_the_done_lines_and_generates_only_the_rest(smollm2_path, 
     before = out.read_bytes()
     again = batch(smollm2_path, src, out, "-np", "2", "-n", "6")
     assert again.exit_code == 0 and "all 5 prompts are done" in again.stderr and out.read_bytes() == before
+
+
+def test_system_goes_before_each_prompt_without_one_of_its_own(smollm2_path, tmp_path) -> None:
+    """--system: a text prompt (in the chat template) gets it first; chat messages that hold a system message keep
+    theirs. Each line's prompt_tokens are those of the messages as the model's template renders them."""
+    src, out = tmp_path / "prompts.jsonl", tmp_path / "out.jsonl"
+    src.write_text(PROMPTS[1] + "\n" + PROMPTS[4] + "\n", encoding="utf-8")
+    r = batch(smollm2_path, src, out, "--system", "Answer in French.", "-n", "2")
+    assert r.exit_code == 0, r.output
+    got = {d["index"]: d["usage"]["prompt_tokens"] for d in lines(out)}
+    with SpeculativeEngine.load(smollm2_path) as engine:
+        want = [len(engine.encode([{"role": "system", "content": "Answer in French."},
+                                   {"role": "user", "content": "What is 2+2?"}])),
+                len(engine.encode(json.loads(PROMPTS[4])["messages"]))]
+    assert [got[0], got[1]] == want
 
 
 def test_durations_read_as_a_person_reads_them() -> None:
