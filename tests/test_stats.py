@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from ggufspec.engine import GenerationSettings, SpeculativeEngine
 from conftest import FixedCosts, open_decoder
 
@@ -69,3 +71,19 @@ def test_auto_says_what_it_drafted_from(tiny_target, tiny_draft) -> None:
     assert stats.decision.startswith("drafted on ") and f"of {stats.target_passes} passes (" in stats.decision
     assert "draft model" in stats.decision or "lookup" in stats.decision
     assert f"| {stats.decision} |" in stats.line()
+
+
+def test_the_rates_count_what_the_run_committed(tiny_target, tiny_draft) -> None:
+    """The tokens a stream marks from_draft are the kept drafts: acceptance is they over the drafted ones, and tokens
+    a pass the committed ones over the passes, in the JSON fields and the stats line alike."""
+    with open_decoder(tiny_target) as t, open_decoder(tiny_draft) as d:
+        engine = SpeculativeEngine(t, d, costs=FixedCosts([0.02, 0.0201, 0.0202], 0.0, [16, 32, 64], [0.021, 0.022, 0.023]))
+        responses = list(engine.stream("Hello", GenerationSettings(max_tokens=24, method="vanilla", draft_max=2)))
+    stats = responses[-1].result.stats
+    kept = sum(r.from_draft for r in responses)
+    assert stats.drafted > 0 and stats.accepted == kept
+    d = stats.to_dict()
+    assert d["acceptance_rate"] == pytest.approx(kept / stats.drafted)
+    assert d["mean_accepted_length"] == pytest.approx(stats.committed_tokens / stats.target_passes)
+    assert f"acceptance {kept / stats.drafted:.1%} ({kept}/{stats.drafted})" in stats.line()
+    assert f"{stats.committed_tokens / stats.target_passes:.2f} tok/pass" in stats.line()
