@@ -171,3 +171,6 @@ def test_text_stream_is_utf8_safe_and_holds_back_stop_strings() -> None:
     ts2 = TextStream(stop=("END",))
     ts2.push(b"hello EN")
     assert ts2.flush() == "EN" and ts2.text == "hello EN"
+    plain = TextStream()  # no stop string: the same across tokens
+    assert plain.push(snow[:2]) == "" and plain.push(snow[2:] + b"!") == "☃!" and plain.flush() == ""
+    assert plain.text == "☃!"
