@@ -12,7 +12,7 @@ CUDA_FLAGS=(-DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF
     -DLLAMA_BUILD_MTMD=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF
     -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON '-DCMAKE_INSTALL_RPATH=$ORIGIN')
-# what the build makes: libllama and ggml's libraries with the CUDA and RPC backends (what llama-cpp-python's lib/ holds)
+# what the build makes: libllama and ggml's libraries with the CUDA and RPC backends (llama-cpp-python's lib/)
 CUDA_TARGETS=(llama ggml-cuda ggml-rpc)
 # llama.cpp's source as the fallback carries it: everything but other backends, models, docs, tests and examples
 SRC_EXCLUDES=(--exclude='*.gguf')

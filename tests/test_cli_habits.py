@@ -48,10 +48,11 @@ def test_the_options_reach_the_model(smollm2_path) -> None:
     out = r.stdout.decode()
     assert r.returncode == 0 and "KV cache: q4_0/" in out and "threads 1;" in out, out
     greedy = run_json("-m", smollm2_path, "-n", "10", "--temp", "0", PROMPT)["tokens"]
-    drawn = [run_json("-m", smollm2_path, "-n", "10", "--temp", "1.5", "-s", seed, PROMPT)["tokens"] for seed in (1, 1, 2)]
+    hot = ("-m", smollm2_path, "-n", "10", "--temp", "1.5")
+    drawn = [run_json(*hot, "-s", seed, PROMPT)["tokens"] for seed in (1, 1, 2)]
     assert drawn[0] == drawn[1] != drawn[2] and drawn[0] != greedy
     for flag in (("--min-p", "1"), ("--top-k", "1"), ("--top-p", "1e-6")):
-        assert run_json("-m", smollm2_path, "-n", "10", "--temp", "1.5", "-s", "1", *flag, PROMPT)["tokens"] == greedy, flag
+        assert run_json(*hot, "-s", "1", *flag, PROMPT)["tokens"] == greedy, flag
 
 
 def test_help_lists_the_llama_cpp_spellings() -> None:

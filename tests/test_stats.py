@@ -77,7 +77,8 @@ def test_the_rates_count_what_the_run_committed(tiny_target, tiny_draft) -> None
     """The tokens a stream marks from_draft are the kept drafts: acceptance is they over the drafted ones, and tokens
     a pass the committed ones over the passes, in the JSON fields and the stats line alike."""
     with open_decoder(tiny_target) as t, open_decoder(tiny_draft) as d:
-        engine = SpeculativeEngine(t, d, costs=FixedCosts([0.02, 0.0201, 0.0202], 0.0, [16, 32, 64], [0.021, 0.022, 0.023]))
+        costs = FixedCosts([0.02, 0.0201, 0.0202], 0.0, [16, 32, 64], [0.021, 0.022, 0.023])
+        engine = SpeculativeEngine(t, d, costs=costs)
         responses = list(engine.stream("Hello", GenerationSettings(max_tokens=24, method="vanilla", draft_max=2)))
     stats = responses[-1].result.stats
     kept = sum(r.from_draft for r in responses)
