@@ -92,9 +92,9 @@ class _Cursor:
         if vtype == _ARRAY and depth == 0:
             item, count = self.scalar("I"), self.scalar("Q")
             if item in _SCALARS and count <= SHORT_ARRAY:  # per-layer hyperparameters: their values
-                return struct.unpack(f"<{count}{_SCALARS[item]}", self.take(count * struct.calcsize(_SCALARS[item])))
+                return struct.unpack(f"<{count}{_SCALARS[item]}", self.take(count * _STRUCTS[_SCALARS[item]].size))
             if item in _SCALARS:
-                self.take(count * struct.calcsize(_SCALARS[item]))
+                self.take(count * _STRUCTS[_SCALARS[item]].size)
             elif item == _STRING:
                 self.strings(count, unique)
             else:
@@ -226,9 +226,9 @@ def _metadata(c: _Cursor, n_kv: int) -> tuple[dict[str, object], set[str], bytes
         vtype = c.scalar("I")
         if vtype == _ARRAY:
             arrays.add(key)
-        start = c.pos
-        metadata[key] = c.value(vtype, unique=key == "tokenizer.ggml.tokens")
-        if key == "tokenizer.ggml.tokens":
+        start, tokens = c.pos, key == "tokenizer.ggml.tokens"
+        metadata[key] = c.value(vtype, unique=tokens)
+        if tokens:
             digest = hashlib.blake2b(c.buf[start : c.pos], digest_size=16).digest()
     return metadata, arrays, digest
 
